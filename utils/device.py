@@ -1,0 +1,206 @@
+"""Which device the course runs on: ROCm, CUDA or the CPU, and what its published peaks are.
+
+`detect()` looks at the machine; `from_properties()` builds the same record from a device-properties
+object (PyTorch's, or a plain mapping with the same names), which is how the tests cover GPUs this
+machine does not have. Nothing here assumes a warp size: it is read from the properties.
+"""
+from __future__ import annotations
+
+import html
+import os
+import platform
+import re
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from .params import ParameterError, choice
+
+SPECS_FILE = Path(__file__).with_name("data") / "gpu_specs.toml"
+DEVICE_CHOICES = ("auto", "cpu", "gpu", "cuda", "rocm")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    backend: str                      # "rocm" | "cuda" | "cpu"
+    vendor: str                       # "AMD" | "NVIDIA" | the CPU's vendor
+    name: str
+    arch: str                         # "gfx942", "gfx1100", "sm_90", "cpu"
+    warp_size: int | None             # lanes per wavefront / warp; None on a CPU
+    compute_units: int | None         # CUs (AMD), SMs (NVIDIA), cores (CPU)
+    memory_bytes: int | None
+    l2_bytes: int | None = None
+    peak_bandwidth_gbps: float | None = None
+    peak_bf16_tflops: float | None = None
+    peak_fp32_tflops: float | None = None
+    spec: str | None = None           # the spec-table row the peaks come from
+    runtime: str | None = None        # "HIP 6.4.x" / "CUDA 13.0"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.backend in ("rocm", "cuda")
+
+    @property
+    def torch_device(self) -> str:
+        """The device string for PyTorch: ROCm builds of PyTorch also call the GPU "cuda"."""
+        return "cuda" if self.is_gpu else "cpu"
+
+    @property
+    def unit_name(self) -> str:
+        return {"rocm": "CUs", "cuda": "SMs"}.get(self.backend, "cores")
+
+    @property
+    def lane_group(self) -> str:
+        return "wavefront" if self.backend == "rocm" else "warp"
+
+    def _fields(self) -> list[tuple[str, str]]:
+        def num(v, fmt):
+            return "unknown" if v is None else fmt.format(v)
+        return [
+            ("device", self.name),
+            ("backend", f"{self.backend} ({self.runtime})" if self.runtime else self.backend),
+            ("architecture", self.arch),
+            (f"{self.lane_group} size", num(self.warp_size, "{} lanes")),
+            (self.unit_name, num(self.compute_units, "{}")),
+            ("memory", num(self.memory_bytes and self.memory_bytes / 2**30, "{:.1f} GiB")),
+            ("peak bandwidth", num(self.peak_bandwidth_gbps, "{:,.0f} GB/s")),
+            ("peak BF16 (dense)", num(self.peak_bf16_tflops, "{:,.1f} TFLOP/s")),
+            ("peak FP32", num(self.peak_fp32_tflops, "{:,.1f} TFLOP/s")),
+        ]
+
+    def __str__(self) -> str:
+        lines = [f"{k:>18}: {v}" for k, v in self._fields()]
+        lines += [f"{'note':>18}: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                       f"{html.escape(v)}</td></tr>" for k, v in self._fields())
+        notes = "".join(f"<p><b>Note:</b> {html.escape(n)}</p>" for n in self.notes)
+        return f"<table>{rows}</table>{notes}"
+
+
+@lru_cache(maxsize=1)
+def spec_table() -> tuple[dict[str, Any], ...]:
+    with SPECS_FILE.open("rb") as f:
+        return tuple(tomllib.load(f)["gpu"])
+
+
+def spec(key: str) -> dict[str, Any]:
+    """One row of the spec table by its key ("mi300x", "h100_sxm", ...)."""
+    for row in spec_table():
+        if row["key"] == key:
+            return row
+    raise KeyError(f"no GPU {key!r} in {SPECS_FILE.name}; known: {[r['key'] for r in spec_table()]}")
+
+
+def find_spec(name: str, arch: str) -> dict[str, Any] | None:
+    for row in spec_table():
+        if row["arch"] == arch and any(re.search(p, name, re.IGNORECASE) for p in row["match"]):
+            return row
+    return None
+
+
+def _get(props: Any, key: str, default=None):
+    if isinstance(props, Mapping):
+        return props.get(key, default)
+    return getattr(props, key, default)
+
+
+def parse_gcn_arch(gcn_arch_name: str) -> str:
+    """`"gfx942:sramecc+:xnack-"` -> `"gfx942"` (the target features after ':' are dropped)."""
+    return gcn_arch_name.split(":", 1)[0].strip()
+
+
+def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = None) -> DeviceInfo:
+    """Build a `DeviceInfo` from `torch.cuda.get_device_properties(i)` or a mapping of the same names.
+
+    `hip` / `cuda` are `torch.version.hip` / `torch.version.cuda`; with neither, a `gcnArchName`
+    that starts with "gfx" means ROCm."""
+    name = str(_get(props, "name", "unknown GPU"))
+    gcn = str(_get(props, "gcnArchName", "") or "")
+    rocm = bool(hip) or (not cuda and gcn.startswith("gfx"))
+    notes: list[str] = []
+    if rocm:
+        if not gcn.startswith("gfx"):
+            raise ValueError(f"ROCm device {name!r} reports no gfx architecture (gcnArchName={gcn!r})")
+        backend, vendor, arch = "rocm", "AMD", parse_gcn_arch(gcn)
+        runtime = f"HIP {hip}" if hip else None
+    else:
+        major, minor = _get(props, "major"), _get(props, "minor")
+        if major is None or minor is None:
+            raise ValueError(f"CUDA device {name!r} reports no compute capability (major/minor)")
+        backend, vendor, arch = "cuda", "NVIDIA", f"sm_{major}{minor}"
+        runtime = f"CUDA {cuda}" if cuda else None
+    warp = _get(props, "warp_size")
+    if warp is None:
+        notes.append("this PyTorch does not report warp_size; the wavefront/warp size is unknown "
+                     "(it is not assumed: 64 on CDNA, 32 on RDNA by default and on NVIDIA)")
+    row = find_spec(name, arch)
+    if row is None:
+        notes.append(f"no published peaks for {name!r} ({arch}) in utils/data/{SPECS_FILE.name}: "
+                     "ratios against peak are left out; add a row with its data-sheet figures")
+    return DeviceInfo(
+        backend=backend, vendor=vendor, name=name, arch=arch,
+        warp_size=None if warp is None else int(warp),
+        compute_units=_get(props, "multi_processor_count"),
+        memory_bytes=_get(props, "total_memory"),
+        l2_bytes=_get(props, "L2_cache_size"),
+        peak_bandwidth_gbps=row and row["peak_bandwidth_gbps"],
+        peak_bf16_tflops=row and row["peak_bf16_tflops"],
+        peak_fp32_tflops=row and row["peak_fp32_tflops"],
+        spec=row and row["key"],
+        runtime=runtime,
+        notes=tuple(notes),
+    )
+
+
+def cpu_info() -> DeviceInfo:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    vendor = "AMD" if "AMD" in name.upper() else "Intel" if "INTEL" in name.upper() else platform.machine()
+    return DeviceInfo(
+        backend="cpu", vendor=vendor, name=name, arch="cpu", warp_size=None,
+        compute_units=os.cpu_count(), memory_bytes=memory,
+        notes=("CPU: no published peaks in the spec table; the labs run small sizes "
+               "(Triton kernels under TRITON_INTERPRET=1) and report achieved figures only",),
+    )
+
+
+def detect(device: str = "auto") -> DeviceInfo:
+    """The device the notebooks run on.
+
+    `device` is a notebook's DEVICE parameter: "auto" (the default) uses the COURSE_DEVICE
+    environment variable if set, else the GPU PyTorch sees, else the CPU. "cpu" forces the CPU on a
+    GPU machine; "gpu", "cuda" and "rocm" insist on a GPU (of that kind)."""
+    wanted = choice("DEVICE", device, DEVICE_CHOICES)
+    if wanted == "auto":
+        wanted = choice("COURSE_DEVICE (environment)", os.environ.get("COURSE_DEVICE") or "auto",
+                        DEVICE_CHOICES)
+    if wanted == "cpu":
+        return cpu_info()
+    import torch
+
+    if not torch.cuda.is_available():
+        if wanted == "auto":
+            return cpu_info()
+        raise ParameterError(f"DEVICE={device!r} (resolved to {wanted!r}) but PyTorch sees no GPU "
+                             f"(torch {torch.__version__}); use 'auto' or 'cpu', or install a "
+                             "CUDA/ROCm build of PyTorch (README: environments)")
+    info = from_properties(torch.cuda.get_device_properties(0),
+                           hip=torch.version.hip, cuda=torch.version.cuda)
+    if wanted in ("cuda", "rocm") and info.backend != wanted:
+        raise ParameterError(f"DEVICE={wanted!r} but this machine's GPU is {info.name} "
+                             f"({info.backend}); use 'auto', 'gpu' or {info.backend!r}")
+    return info

@@ -1,0 +1,149 @@
+"""Timing for every lab: device events on a GPU, `perf_counter` on the CPU.
+
+`benchmark(fn)` runs `fn` `warmup` times, then `reps` times, each timed on its own, and returns
+median, min, IQR and all samples. On a GPU each rep is bracketed by torch's CUDA/HIP events (the
+same mechanism as `triton.testing.do_bench`); with `flush_l2=True` a large buffer is overwritten
+before each rep so that data left in the cache by the previous rep does not flatter the result.
+
+Warm up long enough. A GPU lowers its clock under sustained load: on the course's H100 a bf16 matmul
+ran at 1980 MHz for its first ~100 ms and at about 1500 MHz after half a second (1.40 ms -> 1.58 ms
+for 8192^3). `warmup_ms` keeps calling `fn` until that much time has passed, so the figures are the
+sustained ones, not a boost-clock burst.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+# Bytes overwritten before each rep to flush caches: larger than an H100's 50 MB L2 and an
+# MI300X's 256 MB Infinity Cache (PyTorch reports only the 4 MB L2 there, so it is not derived).
+GPU_FLUSH_BYTES = 512 * 2**20
+CPU_FLUSH_BYTES = 64 * 2**20
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second)."""
+    return nbytes / seconds / 1e9
+
+
+def tflops(flops: float, seconds: float) -> float:
+    """Throughput in TFLOP/s (10^12 floating-point operations per second)."""
+    return flops / seconds / 1e12
+
+
+@dataclass(frozen=True)
+class Timing:
+    samples_ms: tuple[float, ...]
+    clock: str  # "device events" or "perf_counter"
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    @property
+    def iqr_ms(self) -> float:
+        if len(self.samples_ms) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+        return q3 - q1
+
+    @property
+    def median_s(self) -> float:
+        return self.median_ms / 1e3
+
+    def gbps(self, nbytes: float) -> float:
+        return gbps(nbytes, self.median_s)
+
+    def tflops(self, flops: float) -> float:
+        return tflops(flops, self.median_s)
+
+    def __str__(self) -> str:
+        return (f"median {self.median_ms:.4g} ms, min {self.min_ms:.4g} ms, IQR {self.iqr_ms:.3g} ms "
+                f"over {len(self.samples_ms)} reps ({self.clock})")
+
+
+def _on_gpu(device) -> bool:
+    if device is not None:
+        return getattr(device, "is_gpu", False) or str(device).startswith("cuda")
+    import torch
+    return torch.cuda.is_available()
+
+
+def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
+              flush_l2: bool = True, warmup_ms: float = 0.0, device=None) -> Timing:
+    """Time `fn()`: at least `warmup` untimed calls lasting at least `warmup_ms`, then `reps` timed
+    calls. `device` is a `DeviceInfo` or a torch device string; by default a GPU is used when PyTorch
+    sees one. Returns a `Timing` (median, min, IQR, samples in milliseconds)."""
+    if warmup < 0 or reps < 1:
+        raise ValueError(f"benchmark needs warmup >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
+    import torch
+
+    gpu = _on_gpu(device)
+    flush = None
+    if flush_l2:
+        flush = torch.empty(GPU_FLUSH_BYTES if gpu else CPU_FLUSH_BYTES, dtype=torch.int8,
+                            device="cuda" if gpu else "cpu")
+    _warm_up(fn, warmup, warmup_ms, gpu)
+    samples: list[float] = []
+    if gpu:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for start, end in zip(starts, ends):
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        return Timing(tuple(samples), "device events")
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing(tuple(samples), "perf_counter")
+
+
+def _warm_up(fn, calls: int, min_ms: float, gpu: bool) -> None:
+    import torch
+
+    t0 = time.perf_counter()
+    done = 0
+    while done < calls or (time.perf_counter() - t0) * 1e3 < min_ms:
+        fn()
+        done += 1
+        if gpu and done % 8 == 0:
+            torch.cuda.synchronize()   # wall time must track device time, not the launch queue
+    if gpu:
+        torch.cuda.synchronize()
+
+
+def compare_with_do_bench(fn: Callable[[], object], *, rounds: int = 3, rep_ms: float = 200.0,
+                          warmup_ms: float = 500.0) -> tuple[float, float]:
+    """Median time of `fn` in ms by `benchmark` and by `triton.testing.do_bench`, measured in
+    alternating rounds after a common warm-up, so that clock changes under load hit both alike.
+    Returns (ours_ms, do_bench_ms), each the median over the rounds. Needs a GPU and Triton."""
+    from triton.testing import do_bench
+
+    _warm_up(fn, 1, warmup_ms, gpu=True)
+    estimate = benchmark(fn, warmup=1, reps=5).median_ms
+    reps = max(10, int(rep_ms / max(estimate, 1e-3)))
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(benchmark(fn, warmup=1, reps=reps).median_ms)
+        theirs.append(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def relative_difference(a: float, b: float) -> float:
+    """|a - b| / b: how far a measurement `a` is from a reference `b`."""
+    return abs(a - b) / b

@@ -1,0 +1,247 @@
+"""Each lab's headline figures, recorded as a JSON sidecar, and the course report built from them.
+
+In a notebook:
+
+    rec = report.start("00_environment", device)       # clears this lab's earlier records
+    rec.metric("environment.add_gbps", 2950.0, "GB/s", peak=device.peak_bandwidth_gbps)
+    rec.figure(fig, "achieved_vs_peak")
+
+`make run` then calls `build_report()`, which reads every sidecar under `build/results/` and the
+harness's `status.json` and writes `build/report.md` and `build/report.html`, showing each figure
+beside the H100 reference (`utils/reference/h100.json`) and the published peaks.
+`python -m utils.report reference OUT.json` turns the sidecars of a real run into such a reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from .stack import software_stack
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+REFERENCE_DIR = PACKAGE_DIR / "reference"
+# GPUs whose published peaks every report shows next to the learner's own device.
+PUBLISHED = ("mi300x", "h100_sxm")
+# Published measurements quoted beside the peaks (key -> (value, unit, source)).
+PUBLISHED_MEASURED = {
+    "matmul.torch_tflops_8192": (708.0, "TFLOP/s", "AMD's measured max BF16 GEMM on MI300X"),
+}
+_KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
+
+
+def build_dir() -> Path:
+    """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
+    course checkout (an editable install), else ./build in the working directory."""
+    env = os.environ.get("COURSE_BUILD_DIR")
+    if env:
+        return Path(env).resolve()
+    if (REPO_ROOT / "pyproject.toml").exists():
+        return REPO_ROOT / "build"
+    return Path.cwd() / "build"
+
+
+def results_dir() -> Path:
+    return build_dir() / "results"
+
+
+class Recorder:
+    """Writes one lab's sidecar, `results/<lab>.json`, after every change (a crash keeps what was
+    recorded so far) and its figures as `results/<lab>/<name>.png`."""
+
+    def __init__(self, lab: str, device, root: Path | None = None):
+        self.lab = lab
+        self.root = Path(root) if root else results_dir()
+        self.path = self.root / f"{lab}.json"
+        self.figure_dir = self.root / lab
+        self.data = {
+            "lab": lab,
+            "device": asdict(device) if device is not None else None,
+            "software": software_stack(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "metrics": {},
+            "figures": [],
+        }
+        self.path.unlink(missing_ok=True)
+        shutil.rmtree(self.figure_dir, ignore_errors=True)
+        self._save()
+
+    def metric(self, key: str, value: float, unit: str, *, peak: float | None = None,
+               label: str | None = None) -> dict:
+        """Record a headline figure; `peak` (same unit) makes the report show value / peak."""
+        if not _KEY.match(key):
+            raise ValueError(f"metric key {key!r} must look like 'lab_topic.figure' (lower case, dots)")
+        entry = {"value": float(value), "unit": unit}
+        if peak:
+            entry["peak"] = float(peak)
+            entry["fraction_of_peak"] = float(value) / float(peak)
+        if label:
+            entry["label"] = label
+        self.data["metrics"][key] = entry
+        self._save()
+        return entry
+
+    def figure(self, fig, name: str) -> Path:
+        """Save a matplotlib figure for the report (the notebook still shows it inline)."""
+        self.figure_dir.mkdir(parents=True, exist_ok=True)
+        path = self.figure_dir / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        rel = path.relative_to(self.root).as_posix()
+        if rel not in self.data["figures"]:
+            self.data["figures"].append(rel)
+        self._save()
+        return path
+
+    def _save(self):
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        tmp.replace(self.path)
+
+
+def start(lab: str, device, root: Path | None = None) -> Recorder:
+    return Recorder(lab, device, root)
+
+
+def load_results(root: Path | None = None) -> dict[str, dict]:
+    root = Path(root) if root else results_dir()
+    return {p.stem: json.loads(p.read_text()) for p in sorted(root.glob("*.json"))}
+
+
+def load_reference(name: str = "h100") -> dict | None:
+    path = REFERENCE_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def make_reference(results: dict[str, dict]) -> dict:
+    """A reference record (`utils/reference/<gpu>.json`) from the sidecars of one real run."""
+    runs = [r for r in results.values() if r.get("metrics")]
+    if not runs:
+        raise ValueError("no recorded metrics: run the solutions first (make run)")
+    devices = {r["device"]["name"] for r in runs if r.get("device")}
+    if len(devices) != 1:
+        raise ValueError(f"the results come from several devices or none: {sorted(devices)}")
+    first = runs[0]
+    metrics = {}
+    for r in runs:
+        for key, m in r["metrics"].items():
+            metrics[key] = {"value": m["value"], "unit": m["unit"]}
+    return {
+        "device": first["device"]["name"],
+        "arch": first["device"]["arch"],
+        "date": max(r["date"] for r in runs)[:10],
+        "software": first["software"],
+        "labs": sorted(r["lab"] for r in runs),
+        "metrics": dict(sorted(metrics.items())),
+    }
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    if v is None:
+        return "–"
+    return f"{v:,.{digits}g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def render_markdown(results: dict[str, dict], status: dict[str, dict], reference: dict | None) -> str:
+    from .device import spec
+
+    labs = sorted(set(results) | set(status))
+    device = next((r["device"] for r in results.values() if r.get("device")), None)
+    out = ["# rocm-cuda-labs: course report", ""]
+    if device:
+        peaks = ", ".join(f"{label} {_fmt(device[k])}" for k, label in
+                          (("peak_bandwidth_gbps", "GB/s"), ("peak_bf16_tflops", "BF16 TFLOP/s"))
+                          if device.get(k))
+        out.append(f"**Device:** {device['name']} ({device['backend']}, {device['arch']}"
+                   f"{', warp size ' + str(device['warp_size']) if device.get('warp_size') else ''})"
+                   f"{' · published peaks: ' + peaks if peaks else ''}")
+        sw = next(r["software"] for r in results.values() if r.get("software"))
+        out += ["", "**Software:** " + ", ".join(f"{k} {v}" for k, v in sw.items())]
+    if reference:
+        out += ["", f"**Reference:** {reference['device']} ({reference['arch']}), "
+                    f"run of {reference['date']} (`utils/reference/`)"]
+    out += ["", "## Labs", "", "| lab | status | executed notebook |", "|---|---|---|"]
+    for lab in labs:
+        st = status.get(lab, {})
+        state = st.get("status", "recorded")
+        if state == "failed":
+            state = f"**FAILED**: {st.get('error', 'unknown error')}"
+        out.append(f"| {lab} | {state} | {st.get('executed', '–')} |")
+    ref_metrics = (reference or {}).get("metrics", {})
+    for lab in labs:
+        r = results.get(lab)
+        out += ["", f"## {lab}", ""]
+        if status.get(lab, {}).get("status") == "failed":
+            out += [f"This lab failed: {status[lab].get('error', '')}. "
+                    f"Open `{status[lab].get('executed', '')}` to see the failing cell.", ""]
+        if not r or not r.get("metrics"):
+            out.append("No figures recorded.")
+            continue
+        ref_name = reference["device"] if reference else "reference"
+        out += [f"| figure | yours | unit | of peak | {ref_name} |", "|---|---|---|---|---|"]
+        for key, m in r["metrics"].items():
+            frac = f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
+            ref = ref_metrics.get(key)
+            out.append(f"| {m.get('label') or key} (`{key}`) | {_fmt(m['value'])} | {m['unit']} | "
+                       f"{frac} | {_fmt(ref['value']) if ref else '–'} |")
+        for fig in r.get("figures", []):
+            out += ["", f"![{lab}: {Path(fig).stem}](results/{fig})"]
+    out += ["", "## Published peaks (dense)", "",
+            "| GPU | BF16 TFLOP/s | FP32 TFLOP/s | memory bandwidth GB/s | memory GB |",
+            "|---|---|---|---|---|"]
+    rows = [spec(k) for k in PUBLISHED]
+    if device and device.get("spec") and device["spec"] not in PUBLISHED:
+        rows.append(spec(device["spec"]))
+    for row in rows:
+        out.append(f"| {row['name']} | {_fmt(row['peak_bf16_tflops'])} | {_fmt(row['peak_fp32_tflops'])} | "
+                   f"{_fmt(row['peak_bandwidth_gbps'])} | {row['memory_gb']} |")
+    for key, (value, unit, source) in PUBLISHED_MEASURED.items():
+        out.append(f"\nPublished measurement: {source}: {_fmt(value)} {unit} (compare `{key}`).")
+    return "\n".join(out) + "\n"
+
+
+def build_report(root: Path | None = None) -> Path:
+    """Write `report.md` and `report.html` into the build folder; return the Markdown path."""
+    import markdown
+
+    build = Path(root) if root else build_dir()
+    results = load_results(build / "results")
+    status_file = build / "status.json"
+    status = json.loads(status_file.read_text()) if status_file.exists() else {}
+    text = render_markdown(results, status, load_reference())
+    md_path = build / "report.md"
+    md_path.write_text(text)
+    body = markdown.markdown(text, extensions=["tables"])
+    (build / "report.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>rocm-cuda-labs report</title>"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .6em}"
+        "img{max-width:100%}</style></head><body>\n" + body + "\n</body></html>\n")
+    return md_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m utils.report", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build", help="write build/report.md and build/report.html")
+    ref = sub.add_parser("reference", help="write a reference JSON from build/results")
+    ref.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        print(build_report())
+    else:
+        data = make_reference(load_results())
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"{args.out}: {len(data['metrics'])} metrics from {data['device']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+# rocm-cuda-labs: `make run` executes the course, `make test` tests it. See README.md.
+#
+# Variables (make VAR=value ...):
+#   DEVICE           auto | cpu | gpu | cuda | rocm   (auto: the GPU PyTorch sees, else the CPU)
+#   TORCH_INDEX_URL  PyTorch wheel index, e.g. https://download.pytorch.org/whl/cpu,
+#                    .../whl/cu130 or .../whl/rocm7.2 (empty: PyPI)
+#   EXTRAS           extras of the course package (ROCm: "test", its PyTorch brings its Triton)
+#   CONSTRAINTS      pinned versions (empty: the newest releases, as the scheduled CI job does)
+#   PYTHON, VENV     interpreter that creates the virtual environment, and where it goes
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= constraints.txt
+TORCH_INDEX_URL ?=
+EXTRAS ?= triton,test
+DEVICE ?= auto
+JOBS ?= 2
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst :,_,$(EXTRAS)$(TORCH_INDEX_URL)$(CONSTRAINTS)))
+CACHE := $(CURDIR)/build/cache
+
+# Notebooks run offline, with their caches and Jupyter/IPython state inside build/.
+export COURSE_DEVICE := $(DEVICE)
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export HF_HOME := $(CACHE)/huggingface
+export MPLCONFIGDIR := $(CACHE)/matplotlib
+export IPYTHONDIR := $(CACHE)/ipython
+export JUPYTER_CONFIG_DIR := $(CACHE)/jupyter/config
+export JUPYTER_DATA_DIR := $(CACHE)/jupyter/data
+export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
+export TRITON_CACHE_DIR := $(CACHE)/triton
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: help install run test labs lab report clean
+
+help:
+	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
+
+install: $(STAMP) ## create .venv and install the course (PyTorch first, then the rest)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch
+	$(PIP) -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: $(STAMP) ## execute every solution notebook on $(DEVICE) into build/, write build/report.md
+	$(PY) -m utils.harness run --device $(DEVICE)
+
+test: $(STAMP) ## unit tests, every notebook executed, labs checked, nbval on solutions
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax \
+	  --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
+
+labs: $(STAMP) ## regenerate labs/ from solutions/
+	$(PY) -m utils.harness labs
+
+report: $(STAMP) ## rebuild build/report.md from the recorded results
+	$(PY) -m utils.report build
+
+lab: $(STAMP) ## open the course in JupyterLab
+	$(VENV)/bin/jupyter lab labs/
+
+clean: ## remove build/ (executed notebooks, results, report, caches)
+	rm -rf build

@@ -1,0 +1,87 @@
+"""utils.report: sidecars, the course report and reference records."""
+import json
+
+import pytest
+
+from utils import device as devices
+from utils import report
+
+
+@pytest.fixture
+def h100(recorded):
+    r = recorded["h100"]
+    return devices.from_properties(r["properties"], cuda=r["cuda"])
+
+
+def test_recorder_writes_a_sidecar_and_restarts_clean(build_dir, h100):
+    rec = report.start("99_demo", h100)
+    rec.metric("demo.add_gbps", 3000.0, "GB/s", peak=h100.peak_bandwidth_gbps, label="add")
+    data = json.loads((build_dir / "results" / "99_demo.json").read_text())
+    assert data["device"]["arch"] == "sm_90" and "torch" in data["software"]
+    m = data["metrics"]["demo.add_gbps"]
+    assert m["fraction_of_peak"] == pytest.approx(3000 / 3350) and m["unit"] == "GB/s"
+    report.start("99_demo", h100)          # a re-run starts from nothing
+    assert json.loads((build_dir / "results" / "99_demo.json").read_text())["metrics"] == {}
+
+
+def test_metric_keys_are_checked(build_dir, h100):
+    rec = report.start("99_demo", h100)
+    with pytest.raises(ValueError, match="must look like"):
+        rec.metric("Add GB/s", 1.0, "GB/s")
+
+
+def test_figures_are_saved_and_listed(build_dir, h100):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from utils import plots
+
+    rec = report.start("99_demo", h100)
+    fig = plots.achieved_vs_peak([("add", 3000.0, 3350.0, "GB/s")], title="demo")
+    path = rec.figure(fig, "bars")
+    assert path.exists() and path.stat().st_size > 1000
+    assert rec.data["figures"] == ["99_demo/bars.png"]
+
+
+def test_report_shows_figures_peaks_reference_and_failures(build_dir, h100):
+    rec = report.start("00_environment", h100)
+    rec.metric("environment.add_gbps", 3041.5, "GB/s", peak=3350, label="torch.add")
+    (build_dir / "status.json").write_text(json.dumps({
+        "00_environment": {"status": "ok", "executed": "build/executed/00_environment.ipynb"},
+        "01_vector_add": {"status": "failed", "error": "RuntimeError: boom",
+                          "executed": "build/executed/01_vector_add.ipynb"}}))
+    md = report.build_report().read_text()
+    assert "| torch.add (`environment.add_gbps`) | 3,042 | GB/s | 91% |" in md
+    assert "**FAILED**: RuntimeError: boom | build/executed/01_vector_add.ipynb" in md
+    assert "AMD Instinct MI300X | 1,307 | 163.4 | 5,300 | 192" in md
+    assert "NVIDIA H100 SXM | 989.4 | 67 | 3,350 | 80" in md
+    html = (build_dir / "report.html").read_text()
+    assert "<table>" in html and "FAILED" in html
+
+
+def test_make_reference_from_sidecars(build_dir, h100):
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s", peak=3350)
+    report.start("01_vector_add", h100).metric("vector_add.torch_gbps", 3010.0, "GB/s")
+    ref = report.make_reference(report.load_results())
+    assert ref["device"] == "NVIDIA H100 80GB HBM3" and ref["arch"] == "sm_90"
+    assert ref["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s"},
+                              "vector_add.torch_gbps": {"value": 3010.0, "unit": "GB/s"}}
+    assert set(ref) >= {"device", "date", "software", "metrics"}
+
+
+def test_make_reference_refuses_mixed_devices(build_dir, h100):
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    report.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 30.0, "GB/s")
+    with pytest.raises(ValueError, match="several devices"):
+        report.make_reference(report.load_results())
+
+
+def test_committed_h100_reference_is_well_formed():
+    ref = report.load_reference("h100")
+    assert ref is not None, "utils/reference/h100.json is missing"
+    assert "H100" in ref["device"] and ref["arch"] == "sm_90"
+    assert ref["software"]["torch"] and ref["date"]
+    for key, m in ref["metrics"].items():
+        assert set(m) == {"value", "unit"} and isinstance(m["value"], float), key
+    assert 0 <= ref["metrics"]["timing.max_rel_diff_vs_do_bench"]["value"] < 0.05
+    assert ref["metrics"]["environment.matmul_tflops"]["value"] > 100

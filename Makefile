@@ -33,7 +33,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export TRITON_CACHE_DIR := $(CACHE)/triton
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help install run test labs lab report clean
+.PHONY: help install dirs run test labs lab report clean
 
 help:
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
@@ -48,10 +48,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-run: $(STAMP) ## execute every solution notebook on $(DEVICE) into build/, write build/report.md
+dirs:
+	@mkdir -p $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR)
+
+run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, write build/report.md
 	$(PY) -m utils.harness run --device $(DEVICE)
 
-test: $(STAMP) ## unit tests, every notebook executed, labs checked, nbval on solutions
+test: $(STAMP) dirs ## unit tests, every notebook executed, labs checked, nbval on solutions
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax \
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
 

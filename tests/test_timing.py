@@ -34,10 +34,22 @@ def test_rate_helpers():
     assert timing.relative_difference(1.05, 1.0) == pytest.approx(0.05)
 
 
-@pytest.mark.parametrize("warmup, reps", [(-1, 5), (0, 0)])
-def test_bad_arguments(warmup, reps):
-    with pytest.raises(ValueError, match="warmup >= 0 and reps >= 1"):
-        timing.benchmark(lambda: None, warmup=warmup, reps=reps, device="cpu")
+@pytest.mark.parametrize("warmup, reps, batch", [(-1, 5, 1), (0, 0, 1), (1, 1, 0)])
+def test_bad_arguments(warmup, reps, batch):
+    with pytest.raises(ValueError, match="warmup >= 0, reps >= 1 and batch >= 1"):
+        timing.benchmark(lambda: None, warmup=warmup, reps=reps, batch=batch, device="cpu")
+
+
+def test_batch_reports_time_per_call():
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.001)
+
+    t = timing.benchmark(work, warmup=1, reps=3, batch=5, device="cpu")
+    assert len(calls) == (1 + 3) * 5
+    assert 1.0 <= t.min_ms < 5.0, "samples are per call, not per batch of 5"
 
 
 def test_warmup_ms_keeps_warming_until_the_time_has_passed():

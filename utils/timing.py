@@ -76,15 +76,28 @@ def _on_gpu(device) -> bool:
 
 
 def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
-              flush_l2: bool = True, warmup_ms: float = 0.0, device=None) -> Timing:
+              flush_l2: bool = True, warmup_ms: float = 0.0, batch: int = 1, graph: bool = False,
+              device=None) -> Timing:
     """Time `fn()`: at least `warmup` untimed calls lasting at least `warmup_ms`, then `reps` timed
     calls. `device` is a `DeviceInfo` or a torch device string; by default a GPU is used when PyTorch
-    sees one. Returns a `Timing` (median, min, IQR, samples in milliseconds)."""
-    if warmup < 0 or reps < 1:
-        raise ValueError(f"benchmark needs warmup >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
+    sees one. Returns a `Timing` (median, min, IQR, samples in milliseconds per call of `fn`).
+
+    For kernels of a few microseconds, launch overhead hides the kernel: `batch=K` times K calls per
+    repetition, and with `graph=True` (GPU only) those K calls are captured once in a CUDA/HIP graph
+    and each repetition replays it, which leaves almost no gap between the kernels."""
+    if warmup < 0 or reps < 1 or batch < 1:
+        raise ValueError(f"benchmark needs warmup >= 0, reps >= 1 and batch >= 1, "
+                         f"got warmup={warmup}, reps={reps}, batch={batch}")
     import torch
 
     gpu = _on_gpu(device)
+    single = fn
+    if gpu and graph:
+        fn = _capture_graph(single, batch)
+    elif batch > 1:
+        def fn():
+            for _ in range(batch):
+                single()
     flush = None
     if flush_l2:
         flush = torch.empty(GPU_FLUSH_BYTES if gpu else CPU_FLUSH_BYTES, dtype=torch.int8,
@@ -102,15 +115,32 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
             fn()
             end.record()
         torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        return Timing(tuple(samples), "device events")
+        samples = [s.elapsed_time(e) / batch for s, e in zip(starts, ends)]
+        return Timing(tuple(samples), "device events" + (f", graph of {batch} calls" if graph else ""))
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
         t0 = time.perf_counter()
         fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
+        samples.append((time.perf_counter() - t0) * 1e3 / batch)
     return Timing(tuple(samples), "perf_counter")
+
+
+def _capture_graph(fn, calls: int):
+    """A CUDA/HIP graph of `calls` calls of `fn`; returns its replay function."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):      # warm-up off the default stream, as graph capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g.replay
 
 
 def _warm_up(fn, calls: int, min_ms: float, gpu: bool) -> None:

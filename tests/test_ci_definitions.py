@@ -62,3 +62,5 @@ def test_ci_run_calls_make_test():
     text = (ROOT / ".ci" / "run").read_text()
     assert (ROOT / ".ci" / "run").stat().st_mode & 0o111
     assert "\nmake test" in text
+    assert "apt-get install" in text and "hipcc" in text
+    assert "export COURSE_REQUIRE_TOOLS=hipcc,nvcc" in text

@@ -156,6 +156,30 @@ class Compiled:
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.text))
 
+    def kernels(self) -> dict[str, dict]:
+        """Per kernel, what the AMD compiler reports: {"vgprs", "sgprs", "lds_bytes", "wavefront_size",
+        "occupancy"}; occupancy is LLVM's own count of resident waves per SIMD."""
+        if self.kind != "amdgcn":
+            raise ValueError("kernels() reads AMDGCN assembly; for NVIDIA use cuda_registers()")
+        import yaml
+
+        meta = self.text.split(".amdgpu_metadata", 1)[1].split(".end_amdgpu_metadata", 1)[0]
+        meta = "\n".join(line.expandtabs(4) for line in meta.splitlines() if line.strip())
+        found = {}
+        for k in yaml.safe_load(meta)["amdhsa.kernels"]:
+            found[_demangle(k[".name"])] = {"vgprs": k[".vgpr_count"], "sgprs": k[".sgpr_count"],
+                                 "lds_bytes": k[".group_segment_fixed_size"],
+                                 "wavefront_size": k[".wavefront_size"], "occupancy": None}
+        current = None
+        for line in self.text.splitlines():
+            label = re.match(r"^([A-Za-z_][\w.$]*):", line)
+            if label and _demangle(label.group(1)) in found:
+                current = _demangle(label.group(1))
+            occ = re.match(r"\s*; Occupancy: (\d+)", line)
+            if occ and current:
+                found[current]["occupancy"] = int(occ.group(1))
+        return found
+
     def show(self, *patterns: str, limit: int = 12) -> None:
         found = self.lines(*patterns)
         print(f"{self.target} ({self.kind}): {len(found)} matching lines" + (f"  [{self.note}]" if self.note else ""))
@@ -264,3 +288,33 @@ def run_program(source: str, backend: str) -> str:
         exe = Path(tmp) / "program"
         _run([compiler, "-O3", str(src), "-o", str(exe)], env=env)
         return _run([str(exe)]).stdout.strip()
+
+
+def _demangle(name: str) -> str:
+    """The plain name of a free function from its Itanium mangling (`_Z9divergentPfiii` -> `divergent`)."""
+    m = re.match(r"_Z(\d+)", name)
+    return name[m.end():m.end() + int(m.group(1))] if m else name
+
+
+def cuda_registers(source: str, arch: str = "sm_90") -> dict[str, dict]:
+    """Per kernel, what ptxas reports for `arch`: {"registers", "shared_bytes", "spill_bytes"}."""
+    nvcc = find_tool("nvcc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        run = _run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")])
+    found, current = {}, None
+    for line in run.stderr.splitlines():
+        entry = re.search(r"Compiling entry function '(\w+)'", line)
+        if entry:
+            current = _demangle(entry.group(1))
+            found[current] = {"registers": 0, "shared_bytes": 0, "spill_bytes": 0}
+        used = re.search(r"Used (\d+) registers", line)
+        if used and current:
+            found[current]["registers"] = int(used.group(1))
+            smem = re.search(r"(\d+) bytes smem", line)
+            found[current]["shared_bytes"] = int(smem.group(1)) if smem else 0
+        spill = re.search(r"(\d+) bytes spill stores", line)
+        if spill and current:
+            found[current]["spill_bytes"] = int(spill.group(1))
+    return found

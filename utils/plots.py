@@ -26,3 +26,25 @@ def achieved_vs_peak(items, title: str = ""):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def lane_map(threads: int = 256, widths=(32, 64)):
+    """How a block of `threads` threads splits into wavefronts/warps of each width: one row per width,
+    threads coloured by their wave, lane 0 of each wave marked."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(len(widths), 1, figsize=(10, 1.1 * len(widths) + 0.6), squeeze=False)
+    for ax, width in zip(axes[:, 0], widths):
+        wave = np.arange(threads) // width
+        ax.imshow(wave[None, :], aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")
+        for w in range(threads // width):
+            ax.text(w * width + width / 2 - 0.5, 0, f"wave {w}: lanes 0..{width - 1}", ha="center", va="center",
+                    fontsize=8, color="white")
+        ax.set_yticks([])
+        ax.set_ylabel(f"{width} lanes", rotation=0, ha="right", va="center")
+        ax.set_xticks(range(0, threads + 1, 32))
+    axes[-1, 0].set_xlabel("threadIdx.x")
+    fig.suptitle(f"a block of {threads} threads", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -120,3 +120,32 @@ def test_find_tool(monkeypatch):
     assert isa.find_tool("cuobjdump").endswith("triton/backends/nvidia/bin/cuobjdump")  # bundled with Triton
     with pytest.raises(isa.ToolMissing, match="no-such-compiler is not installed"):
         isa.find_tool("no-such-compiler")
+
+
+BRANCHY = r"""
+#include <hip/hip_runtime.h>
+__global__ void branchy(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        if (threadIdx.x % 2) x[i] = x[i] * 2.0f; else x[i] = x[i] * x[i] + 1.0f;
+    }
+}
+"""
+
+
+def test_exec_masks_are_64_bit_on_cdna_and_32_bit_on_rdna3():
+    need("hipcc")
+    cdna, rdna = isa.compile_hip(BRANCHY, "gfx90a"), isa.compile_hip(BRANCHY, "gfx1100")
+    assert cdna.count(r"s_and_saveexec_b64") > 0 and cdna.count(r"\bvcc\b") > 0 and cdna.count("vcc_lo") == 0
+    assert rdna.count(r"exec_lo") > 0 and rdna.count("vcc_lo") > 0
+    assert rdna.count(r"_b64\s+\S+,\s*exec\b|saveexec_b64") == 0 and rdna.count(r"\bvcc\b") == 0
+    (meta,) = cdna.kernels().values()
+    assert meta["wavefront_size"] == 64 and meta["vgprs"] > 0 and meta["occupancy"] == 8
+    assert list(cdna.kernels()) == ["branchy"]          # demangled from _Z7branchyPfi
+
+
+def test_cuda_registers_per_kernel():
+    need("nvcc")
+    regs = isa.cuda_registers(BRANCHY.replace("hip/hip_runtime.h", "cuda_runtime.h") + CUDA.split("int main")[0], "sm_90")
+    assert set(regs) == {"branchy", "vector_add"}
+    assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 for r in regs.values())

@@ -82,3 +82,14 @@ def test_bad_parameter_stops_at_the_parameters_check_with_one_line(tmp_path, bui
     failed = [o for c in nbformat.read(out, 4).cells if c.cell_type == "code"
               for o in c.get("outputs", []) if o.output_type == "error"]
     assert [o.traceback for o in failed] == [["ParameterError: MATMUL_N=-5 must be a positive whole number (> 0)"]]
+
+
+def test_stub_errors_are_recognised_and_others_are_not():
+    from utils.exercises import STUB
+
+    raised = "exercise not done: replace this line with your code, then re-run the cell"
+    assert is_exercise_stub_error("NotImplementedError", raised)
+    assert is_exercise_stub_error("InterpreterError", f"NotImplementedError('{raised}')")
+    assert is_exercise_stub_error("CompilationError", f"at 20:8:\n        {STUB}\n        ^\nunsupported AST node type: Raise")
+    assert not is_exercise_stub_error("NotImplementedError", "something else")
+    assert not is_exercise_stub_error("NameError", "name 'amd' is not defined")

@@ -79,3 +79,9 @@ def test_agrees_with_do_bench_on_gpu():
         diff = timing.relative_difference(ours, theirs)
         print(f"{name}: utils.timing {ours:.4f} ms, do_bench {theirs:.4f} ms, difference {diff:.2%}")
         assert diff < 0.05, f"{name}: utils.timing {ours:.4f} ms vs do_bench {theirs:.4f} ms"
+
+
+def test_interleaved_times_each_function_on_cpu():
+    out = timing.interleaved({"short": lambda: time.sleep(0.001), "long": lambda: time.sleep(0.003)},
+                             rounds=2, rep_ms=10, warmup_ms=0, flush_l2=False)
+    assert set(out) == {"short", "long"} and 1.0 <= out["short"] < out["long"] < 30

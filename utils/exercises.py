@@ -7,13 +7,19 @@ an AssertionError carrying a precise hint.
 """
 from __future__ import annotations
 
+import re
+
 EXERCISE_NOT_DONE = "exercise not done"
 STUB = f'raise NotImplementedError("{EXERCISE_NOT_DONE}: replace this line with your code, then re-run the cell")'
 
 
 def is_exercise_stub_error(ename: str, evalue: str) -> bool:
-    """Whether an error output (its name and value) is the stub's own error."""
-    return ename == "NotImplementedError" and evalue.startswith(EXERCISE_NOT_DONE)
+    """Whether an error output (its name and value) is the stub's own error: raised by the stub, or,
+    for a stub inside a `@triton.jit` kernel, the interpreter's wrapper of it (InterpreterError) or
+    the compiler's error that quotes the stub line."""
+    if ename == "NotImplementedError" and evalue.startswith(EXERCISE_NOT_DONE):
+        return True
+    return re.search(r"NotImplementedError\(['\"]" + EXERCISE_NOT_DONE, evalue) is not None
 
 
 def check(name: str, ok: bool, hint: str) -> None:

@@ -248,12 +248,17 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     `constexprs`. Arguments named in `aligned` are promised to be multiples of 16 (pointers: 16-byte
     aligned), as Triton's JIT assumes at run time for aligned tensors; without it loads stay scalar.
     Returns the assembly stages by name: "ttgir", "llir" and "amdgcn" (AMD) or "ptx" and "sass"."""
+    if target not in TRITON_TARGETS:
+        raise ValueError(f"unknown target {target!r}; use one of {sorted(TRITON_TARGETS)}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter patches triton.language for the whole process, which breaks compilation:
+        # compile in a fresh process from the kernel's source instead.
+        return _compile_triton_elsewhere(kernel, signature, target, constexprs=constexprs, aligned=aligned,
+                                         num_warps=num_warps, **options)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    if target not in TRITON_TARGETS:
-        raise ValueError(f"unknown target {target!r}; use one of {sorted(TRITON_TARGETS)}")
     constexprs = dict(constexprs or {})
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # interpreter mode too
     names = list(signature)
@@ -273,6 +278,35 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
             except ToolMissing:
                 pass
     return out
+
+
+def _compile_triton_elsewhere(kernel, signature, target, **kwargs) -> dict[str, Compiled]:
+    """`compile_triton` in a child process without TRITON_INTERPRET. The kernel must be self-contained:
+    its source (from `inspect`) is all the child sees, with `triton` and `tl` imported."""
+    import inspect
+    import json
+    import sys
+    import textwrap
+
+    fn = getattr(kernel, "fn", kernel)
+    source = textwrap.dedent(inspect.getsource(fn))
+    script = "\n".join([
+        "import json, sys", "import triton", "import triton.language as tl", "from utils import isa", "",
+        source, "",
+        "args = json.loads(sys.argv[1])",
+        f"out = isa.compile_triton({fn.__name__}, args['signature'], args['target'], **args['kwargs'])",
+        "print(json.dumps({k: [v.text, v.command] for k, v in out.items()}))",
+    ])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    kwargs = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{fn.__name__}_aot.py"
+        path.write_text(script)
+        run = _run([sys.executable, str(path), json.dumps({"signature": signature, "target": target, "kwargs": kwargs})],
+                   env=env)
+    return {stage: Compiled(target, stage, text, command)
+            for stage, (text, command) in json.loads(run.stdout.strip().splitlines()[-1]).items()}
 
 
 def run_program(source: str, backend: str) -> str:

@@ -157,21 +157,40 @@ def _warm_up(fn, calls: int, min_ms: float, gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3, rep_ms: float = 200.0,
+                warmup_ms: float = 500.0, flush_l2: bool = True) -> dict[str, float]:
+    """Median time in ms of each function in `fns`, measured in alternating rounds after a common
+    warm-up, so that clock changes under load (a GPU slows down as it heats) hit all of them alike.
+    A value may also be the string "do_bench:" + key, which times `fns[key]` with Triton's do_bench."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    first = next(f for f in fns.values() if callable(f))
+    _warm_up(first, 1, warmup_ms, gpu=gpu)
+    reps = {}
+    for name, fn in fns.items():
+        if callable(fn):
+            estimate = benchmark(fn, warmup=1, reps=3, flush_l2=flush_l2).median_ms
+            reps[name] = max(5, int(rep_ms / max(estimate, 1e-3)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if callable(fn):
+                samples[name].append(benchmark(fn, warmup=1, reps=reps[name], flush_l2=flush_l2).median_ms)
+            else:
+                from triton.testing import do_bench
+
+                samples[name].append(do_bench(fns[fn.removeprefix("do_bench:")], warmup=25, rep=rep_ms,
+                                              return_mode="median"))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def compare_with_do_bench(fn: Callable[[], object], *, rounds: int = 3, rep_ms: float = 200.0,
                           warmup_ms: float = 500.0) -> tuple[float, float]:
-    """Median time of `fn` in ms by `benchmark` and by `triton.testing.do_bench`, measured in
-    alternating rounds after a common warm-up, so that clock changes under load hit both alike.
-    Returns (ours_ms, do_bench_ms), each the median over the rounds. Needs a GPU and Triton."""
-    from triton.testing import do_bench
-
-    _warm_up(fn, 1, warmup_ms, gpu=True)
-    estimate = benchmark(fn, warmup=1, reps=5).median_ms
-    reps = max(10, int(rep_ms / max(estimate, 1e-3)))
-    ours, theirs = [], []
-    for _ in range(rounds):
-        ours.append(benchmark(fn, warmup=1, reps=reps).median_ms)
-        theirs.append(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-    return statistics.median(ours), statistics.median(theirs)
+    """Median time of `fn` in ms by `benchmark` and by `triton.testing.do_bench`, in alternating
+    rounds (see `interleaved`). Returns (ours_ms, do_bench_ms). Needs a GPU and Triton."""
+    times = interleaved({"ours": fn, "do_bench": "do_bench:ours"}, rounds=rounds, rep_ms=rep_ms, warmup_ms=warmup_ms)
+    return times["ours"], times["do_bench"]
 
 
 def relative_difference(a: float, b: float) -> float:

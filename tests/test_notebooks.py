@@ -1,5 +1,7 @@
 """Every notebook executes: solutions with papermill (no error at all), labs with nbclient (the only
 errors are the exercise stubs' own), and labs/ is what solutions/ generates."""
+import re
+
 import nbformat
 import papermill as pm
 import pytest
@@ -14,8 +16,11 @@ LABS = [harness.LABS / s.name for s in SOLUTIONS]
 
 
 def errors(nb):
-    return [(o.ename, o.evalue) for c in nb.cells if c.cell_type == "code"
-            for o in c.get("outputs", []) if o.output_type == "error"]
+    """(name, value + traceback) of every error output: a compiler error raised where a kernel calls a
+    helper names the stub only in its chained traceback."""
+    strip = lambda text: re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return [(o.ename, o.evalue + "\n" + strip("\n".join(o.get("traceback", []))))
+            for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
 
 
 def test_there_are_notebooks():

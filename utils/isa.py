@@ -281,15 +281,22 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
 
 
 def _compile_triton_elsewhere(kernel, signature, target, **kwargs) -> dict[str, Compiled]:
-    """`compile_triton` in a child process without TRITON_INTERPRET. The kernel must be self-contained:
-    its source (from `inspect`) is all the child sees, with `triton` and `tl` imported."""
+    """`compile_triton` in a child process without TRITON_INTERPRET. The child sees the kernel's source
+    (from `inspect`) and that of the `@triton.jit` functions it calls, with `triton` and `tl` imported;
+    other globals (constants, Python helpers) are not carried."""
     import inspect
     import json
     import sys
     import textwrap
 
     fn = getattr(kernel, "fn", kernel)
-    source = textwrap.dedent(inspect.getsource(fn))
+    helpers = []
+    for name in fn.__code__.co_names:
+        obj = fn.__globals__.get(name)
+        if obj is not kernel and hasattr(obj, "fn") and callable(getattr(obj, "fn")) and \
+                type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+            helpers.append(textwrap.dedent(inspect.getsource(obj.fn)))
+    source = "\n\n".join(helpers + [textwrap.dedent(inspect.getsource(fn))])
     script = "\n".join([
         "import json, sys", "import triton", "import triton.language as tl", "from utils import isa", "",
         source, "",

@@ -85,3 +85,16 @@ def test_committed_h100_reference_is_well_formed():
         assert set(m) == {"value", "unit"} and isinstance(m["value"], float), key
     assert 0 <= ref["metrics"]["timing.max_rel_diff_vs_do_bench"]["value"] < 0.05
     assert ref["metrics"]["environment.matmul_tflops"]["value"] > 100
+
+
+def test_reference_figures_appear_beside_the_learners(build_dir, h100, monkeypatch):
+    monkeypatch.setattr(report, "load_reference", lambda name="h100": {
+        "device": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "date": "2026-11-22", "software": {},
+        "metrics": {"vector_add.torch_gbps": {"value": 3045.1, "unit": "GB/s"},
+                    "vector_add.hand_gbps": {"value": 3054.5, "unit": "GB/s"},
+                    "attention.triton_tflops": {"value": 406.6, "unit": "TFLOP/s"}}})
+    report.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 145.1, "GB/s", label="torch.add")
+    md = report.build_report().read_text()
+    assert "| torch.add (`vector_add.torch_gbps`) | 145.1 | GB/s | – | 3,045 |" in md
+    assert "| `vector_add.hand_gbps` | – | GB/s | – | 3,054 |" in md          # GPU-only figure, same lab
+    assert "figures with no counterpart in this run" in md and "| `attention.triton_tflops` | 406.6 | TFLOP/s |" in md

@@ -174,6 +174,8 @@ def render_markdown(results: dict[str, dict], status: dict[str, dict], reference
             state = f"**FAILED**: {st.get('error', 'unknown error')}"
         out.append(f"| {lab} | {state} | {st.get('executed', '–')} |")
     ref_metrics = (reference or {}).get("metrics", {})
+    ref_name = reference["device"] if reference else "reference"
+    shown = set()
     for lab in labs:
         r = results.get(lab)
         out += ["", f"## {lab}", ""]
@@ -183,15 +185,25 @@ def render_markdown(results: dict[str, dict], status: dict[str, dict], reference
         if not r or not r.get("metrics"):
             out.append("No figures recorded.")
             continue
-        ref_name = reference["device"] if reference else "reference"
         out += [f"| figure | yours | unit | of peak | {ref_name} |", "|---|---|---|---|---|"]
         for key, m in r["metrics"].items():
             frac = f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
             ref = ref_metrics.get(key)
             out.append(f"| {m.get('label') or key} (`{key}`) | {_fmt(m['value'])} | {m['unit']} | "
                        f"{frac} | {_fmt(ref['value']) if ref else '–'} |")
+        # the reference's other figures of this lab (same key prefix), measured only on a GPU
+        prefixes = {key.split(".", 1)[0] for key in r["metrics"]}
+        for key, ref in ref_metrics.items():
+            if key.split(".", 1)[0] in prefixes and key not in r["metrics"]:
+                out.append(f"| `{key}` | – | {ref['unit']} | – | {_fmt(ref['value'])} |")
+        shown |= prefixes
         for fig in r.get("figures", []):
             out += ["", f"![{lab}: {Path(fig).stem}](results/{fig})"]
+    rest = {k: v for k, v in ref_metrics.items() if k.split(".", 1)[0] not in shown}
+    if rest:
+        out += ["", f"## {ref_name} figures with no counterpart in this run", "",
+                "| figure | value | unit |", "|---|---|---|"]
+        out += [f"| `{key}` | {_fmt(m['value'])} | {m['unit']} |" for key, m in rest.items()]
     out += ["", "## Published peaks (dense)", "",
             "| GPU | BF16 TFLOP/s | FP32 TFLOP/s | memory bandwidth GB/s | memory GB |",
             "|---|---|---|---|---|"]

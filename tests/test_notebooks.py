@@ -37,6 +37,15 @@ def test_solution_executes_with_papermill(solution, build_dir, tmp_path, monkeyp
     assert errors(nbformat.read(out, 4)) == []
     recorded = report.load_results(build_dir / "results")[solution.stem]
     assert recorded["metrics"], "the lab recorded no headline figures"
+    if solution.stem == "05_llm_serving":
+        # a real server answered, the load test measured and plotted, and the server is gone
+        text = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells if c.cell_type == "code"
+                       for o in c.get("outputs", []))
+        answer = re.search(r"answer \((\d+) tokens, first after \d+ ms\): (['\"])(.+)\2", text)
+        assert answer and int(answer.group(1)) > 0 and len(answer.group(3)) > 20, text[-2000:]
+        assert "PASS: the server's process group is gone and its port closed" in text
+        assert {"serving.throughput_c1_tokens_per_s", "serving.batching_gain"} <= set(recorded["metrics"])
+        assert "05_llm_serving/load_test.png" in recorded["figures"]
 
 
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)

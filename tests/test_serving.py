@@ -113,5 +113,6 @@ def test_engine_choice_and_commands(monkeypatch, tmp_path):
     assert "--continuous-batching" in cpu and cpu[cpu.index("--cb-num-blocks") + 1] == "64"
     gpu = tf.command("/m/smol", host="127.0.0.1", port=8002, device="cuda", served_name="/m/smol")
     assert "--cb-num-blocks" not in gpu and gpu[gpu.index("--dtype") + 1] == "bfloat16"
+    assert "--cb-use-cuda-graph" in gpu and "--cb-use-cuda-graph" not in cpu
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert tf.environment("cpu")["HF_HUB_OFFLINE"] == "1" and (tmp_path / "hf" / "hub").is_dir()

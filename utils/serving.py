@@ -56,7 +56,9 @@ class Engine:
             # laptop); a small explicit one is plenty for a 135M model and short answers.
             return cmd + ["--device", "cpu", "--cb-num-blocks", "64", "--cb-block-size", "32",
                           "--cb-max-batch-tokens", "512"]
-        return cmd + ["--device", "cuda", "--dtype", "bfloat16"]
+        # CUDA (HIP) graphs for the batch steps: measured on an H100 with a random 8B model, they
+        # doubled the throughput at concurrency 8 and 32 (they are off by default with paged SDPA).
+        return cmd + ["--device", "cuda", "--dtype", "bfloat16", "--cb-use-cuda-graph"]
 
     def environment(self, device: str) -> dict[str, str]:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")

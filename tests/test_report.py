@@ -116,3 +116,8 @@ def test_reference_figures_appear_beside_the_learners(build_dir, h100, monkeypat
     assert "| torch.add (`vector_add.torch_gbps`) | 145.1 | GB/s | – | 3,045 |" in md
     assert "| `vector_add.hand_gbps` | – | GB/s | – | 3,054 |" in md          # GPU-only figure, same lab
     assert "figures with no counterpart in this run" in md and "| `attention.triton_tflops` | 406.6 | TFLOP/s |" in md
+
+
+def test_markdown_table():
+    assert report.markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == \
+        "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"

@@ -9,8 +9,8 @@ text is meaningless, its speed is real. ``param_count()``, ``weight_bytes()`` an
 
 from __future__ import annotations
 
-import importlib.util
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -159,7 +159,8 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
 
 def course_text_files() -> list[Path]:
     """The course's own text (README, solution notebooks, utils): a corpus that is always there."""
-    root = Path(__file__).resolve().parent.parent
+    from .report import REPO_ROOT as root
+
     return sorted(root.glob("*.md")) + sorted((root / "solutions").glob("*.ipynb")) + sorted(
         (root / "utils").glob("*.py"))
 

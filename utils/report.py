@@ -157,6 +157,13 @@ def merge_reference(old: dict, new: dict) -> dict:
             "runs": runs, "metrics": dict(sorted(metrics.items()))}
 
 
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table: one row of ``header`` cells, then ``rows`` (cells are formatted with str)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def _fmt(v: float | None, digits: int = 4) -> str:
     if v is None:
         return "–"

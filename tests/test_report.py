@@ -46,13 +46,13 @@ def test_figures_are_saved_and_listed(build_dir, h100):
 def test_report_shows_figures_peaks_reference_and_failures(build_dir, h100):
     rec = report.start("00_environment", h100)
     rec.metric("environment.add_gbps", 3041.5, "GB/s", peak=3350, label="torch.add")
-    (build_dir / "status.json").write_text(json.dumps({
-        "00_environment": {"status": "ok", "executed": "build/executed/00_environment.ipynb"},
-        "01_vector_add": {"status": "failed", "error": "RuntimeError: boom",
-                          "executed": "build/executed/01_vector_add.ipynb"}}))
+    (build_dir / "status.json").write_text(json.dumps({"run": {"id": "r1", "state": "finished"}, "labs": {
+        "00_environment": {"status": "ok", "run_id": "r1", "executed": "build/executed/00_environment.ipynb"},
+        "01_vector_add": {"status": "failed", "run_id": "r1", "error": "RuntimeError: boom", "seconds": 3.5,
+                          "executed": "build/executed/01_vector_add.ipynb"}}}))
     md = report.build_report().read_text()
     assert "| torch.add (`environment.add_gbps`) | 3,042 | GB/s | 91% |" in md
-    assert "**FAILED**: RuntimeError: boom | build/executed/01_vector_add.ipynb" in md
+    assert "**FAILED**: RuntimeError: boom | 3.5 | build/executed/01_vector_add.ipynb" in md
     assert "AMD Instinct MI300X | 1,307 | 163.4 | 5,300 | 192" in md
     assert "NVIDIA H100 SXM | 989.4 | 67 | 3,350 | 80" in md
     html = (build_dir / "report.html").read_text()
@@ -121,3 +121,47 @@ def test_reference_figures_appear_beside_the_learners(build_dir, h100, monkeypat
 def test_markdown_table():
     assert report.markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == \
         "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"
+
+
+def test_report_never_says_ok_for_a_lab_that_did_not_finish_in_the_latest_run(build_dir, h100):
+    """An interrupted run: the lab that was running, the labs not reached, and a lab from an earlier run
+    are each named as such; only the lab that finished in this run is "ok"."""
+    rec = report.start("00_environment", h100)
+    rec.metric("environment.add_gbps", 3000.0, "GB/s")
+    rec.data["run_id"] = "old"
+    rec._save()
+    (build_dir / "status.json").write_text(json.dumps({
+        "run": {"id": "new", "state": "interrupted", "signal": "SIGINT"},
+        "labs": {"00_environment": {"status": "ok", "run_id": "old"},
+                 "01_vector_add": {"status": "ok", "run_id": "new"},
+                 "02_wavefront_vs_warp": {"status": "interrupted", "run_id": "new", "error": "interrupted (SIGINT)"},
+                 "03_bf16_matmul": {"status": "not run", "run_id": "new"}}}))
+    md = report.build_report().read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| 0")}
+    assert "not run in the latest run (last: ok in run old)" in rows["00_environment"]
+    assert rows["01_vector_add"].startswith("| 01_vector_add | ok |")
+    assert "**INTERRUPTED**" in rows["02_wavefront_vs_warp"]
+    assert "**NOT RUN**: the run was interrupted before it" in rows["03_bf16_matmul"]
+    assert "**interrupted** (SIGINT)" in md
+    assert "*These figures are from run `old`" in md
+
+
+def test_corrupt_state_files_are_named_not_tracebacks(build_dir, h100):
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    (build_dir / "results" / "01_vector_add.json").write_text('{"lab": "01_vector_add", "metr')   # truncated
+    (build_dir / "status.json").write_text("{not json")
+    with pytest.warns(UserWarning) as caught:
+        md = report.build_report().read_text()
+    messages = [str(w.message) for w in caught]
+    assert any("01_vector_add.json is corrupt" in m for m in messages), messages
+    assert any("status.json is corrupt" in m for m in messages), messages
+    assert "environment.add_gbps" in md
+
+
+def test_a_corrupt_reference_names_its_file(tmp_path, monkeypatch):
+    from utils import state
+
+    monkeypatch.setattr(report, "REFERENCE_DIR", tmp_path)
+    (tmp_path / "h100.json").write_text('{"device": "NVIDIA H1')
+    with pytest.raises(state.CorruptStateError, match=r"reference record .*h100.json is corrupt"):
+        report.load_reference()

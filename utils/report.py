@@ -22,6 +22,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from . import state
 from .stack import software_stack
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -65,6 +66,7 @@ class Recorder:
             "device": asdict(device) if device is not None else None,
             "software": software_stack(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "run_id": os.environ.get("COURSE_RUN_ID"),   # set by `make run`; None in a notebook of one's own
             "metrics": {},
             "figures": [],
         }
@@ -99,10 +101,7 @@ class Recorder:
         return path
 
     def _save(self):
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
-        tmp.replace(self.path)
+        state.write_json(self.path, self.data)
 
 
 def start(lab: str, device, root: Path | None = None) -> Recorder:
@@ -110,13 +109,45 @@ def start(lab: str, device, root: Path | None = None) -> Recorder:
 
 
 def load_results(root: Path | None = None) -> dict[str, dict]:
+    """Every lab's sidecar; a corrupt one is named in a warning and left out."""
     root = Path(root) if root else results_dir()
-    return {p.stem: json.loads(p.read_text()) for p in sorted(root.glob("*.json"))}
+    found = {}
+    for p in sorted(root.glob("*.json")):
+        data = state.read_json(p, None, what="results sidecar")
+        if isinstance(data, dict):
+            found[p.stem] = data
+    return found
 
 
 def load_reference(name: str = "h100") -> dict | None:
-    path = REFERENCE_DIR / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """A committed reference record; a corrupt one raises CorruptStateError naming the file."""
+    return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise")
+
+
+def load_status(build: Path | None = None) -> dict:
+    """The harness's status.json ({"run": ..., "labs": ...}); missing, corrupt (with a warning) or of an
+    old format -> no labs."""
+    data = state.read_json(Path(build or build_dir()) / "status.json", {}, what="run status")
+    if not isinstance(data, dict) or not isinstance(data.get("labs"), dict):
+        data = {}
+    data.setdefault("labs", {})
+    return data
+
+
+def lab_state(entry: dict, run: dict | None) -> str:
+    """How the report describes a lab's status: never "ok" unless it finished in the latest run."""
+    status = entry.get("status", "not run")
+    this_run = run is not None and entry.get("run_id") == run.get("id")
+    if not this_run:
+        return f"not run in the latest run (last: {status} in run {entry.get('run_id', 'unknown')})"
+    if status == "failed":
+        return f"**FAILED**: {entry.get('error', 'unknown error')}"
+    if status == "interrupted":
+        return f"**INTERRUPTED**: {entry.get('error', 'interrupted')}"
+    if status in ("not run", "running", "pending"):
+        return "**NOT RUN**: the run " + ("was interrupted before it" if run.get("state") == "interrupted"
+                                          else "ended before it")
+    return status
 
 
 def make_reference(results: dict[str, dict]) -> dict:
@@ -170,9 +201,11 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return f"{v:,.{digits}g}" if abs(v) < 1e4 else f"{v:,.0f}"
 
 
-def render_markdown(results: dict[str, dict], status: dict[str, dict], reference: dict | None) -> str:
+def render_markdown(results: dict[str, dict], status: dict, reference: dict | None) -> str:
     from .device import spec
 
+    run = status.get("run")
+    status = status.get("labs", {})
     labs = sorted(set(results) | set(status))
     device = next((r["device"] for r in results.values() if r.get("device")), None)
     out = ["# rocm-cuda-labs: course report", ""]
@@ -188,25 +221,31 @@ def render_markdown(results: dict[str, dict], status: dict[str, dict], reference
     if reference:
         out += ["", f"**Reference:** {reference['device']} ({reference['arch']}), "
                     f"run of {reference['date']} (`utils/reference/`)"]
-    out += ["", "## Labs", "", "| lab | status | executed notebook |", "|---|---|---|"]
+    if run:
+        out += ["", f"**Run:** `{run.get('id')}`, started {run.get('started')}, "
+                    + {"finished": "finished", "interrupted": f"**interrupted** ({run.get('signal', '')})",
+                       "running": "**still running or killed**"}.get(run.get("state"), str(run.get("state")))]
+    out += ["", "## Labs", "", "| lab | status | seconds | executed notebook |", "|---|---|---|---|"]
     for lab in labs:
-        st = status.get(lab, {})
-        state = st.get("status", "recorded")
-        if state == "failed":
-            state = f"**FAILED**: {st.get('error', 'unknown error')}"
-        out.append(f"| {lab} | {state} | {st.get('executed', '–')} |")
+        st = status.get(lab)
+        text = lab_state(st, run) if st else "no status: figures recorded outside `make run`"
+        out.append(f"| {lab} | {text} | {st.get('seconds', '–') if st else '–'} | "
+                   f"{st.get('executed', '–') if st else '–'} |")
     ref_metrics = (reference or {}).get("metrics", {})
     ref_name = reference["device"] if reference else "reference"
     shown = set()
     for lab in labs:
         r = results.get(lab)
         out += ["", f"## {lab}", ""]
-        if status.get(lab, {}).get("status") == "failed":
-            out += [f"This lab failed: {status[lab].get('error', '')}. "
-                    f"Open `{status[lab].get('executed', '')}` to see the failing cell.", ""]
+        if status.get(lab, {}).get("status") in ("failed", "interrupted"):
+            out += [f"This lab {status[lab]['status']}: {status[lab].get('error', '')}. "
+                    f"Open `{status[lab].get('executed', '')}` to see the last cell it ran.", ""]
         if not r or not r.get("metrics"):
             out.append("No figures recorded.")
             continue
+        if run and r.get("run_id") != run.get("id"):
+            out += [f"*These figures are from run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}, "
+                    "not from the latest run.*", ""]
         out += [f"| figure | yours | unit | of peak | {ref_name} |", "|---|---|---|---|---|"]
         for key, m in r["metrics"].items():
             frac = f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
@@ -246,13 +285,10 @@ def build_report(root: Path | None = None) -> Path:
 
     build = Path(root) if root else build_dir()
     results = load_results(build / "results")
-    status_file = build / "status.json"
-    status = json.loads(status_file.read_text()) if status_file.exists() else {}
-    text = render_markdown(results, status, load_reference())
-    md_path = build / "report.md"
-    md_path.write_text(text)
+    text = render_markdown(results, load_status(build), load_reference())
+    md_path = state.write_text_atomic(build / "report.md", text)
     body = markdown.markdown(text, extensions=["tables"])
-    (build / "report.html").write_text(
+    state.write_text_atomic(build / "report.html",
         "<!doctype html><html><head><meta charset='utf-8'><title>rocm-cuda-labs report</title>"
         "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .6em}"
@@ -274,9 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         data = make_reference(load_results())
         if args.merge and args.out.exists():
-            data = merge_reference(json.loads(args.out.read_text()), data)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(data, indent=2) + "\n")
+            data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise'), data)
+        state.write_json(args.out, data)
         print(f"{args.out}: {len(data['metrics'])} metrics from {data['device']}")
     return 0
 

@@ -1,0 +1,125 @@
+"""Files the course writes and reads back: atomic writes, named errors for corrupt ones, file manifests.
+
+Every state file (the run status, the report sidecars, progress, process records, cached models) is
+written to a temporary file in the same folder and renamed over the old one, so a crash or a second
+process never leaves half a file. Reading one back either returns its data or says which file is
+corrupt and what happens next (rebuilt, ignored): never a bare `JSONDecodeError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+
+class CorruptStateError(ValueError):
+    """A state file exists but cannot be read; the message names it."""
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def read_json(path: str | Path, default: Any = None, *, what: str = "state file", on_corrupt: str = "warn") -> Any:
+    """The JSON in `path`; `default` when it does not exist. A corrupt file raises CorruptStateError
+    naming it (`on_corrupt="raise"`), or warns naming it and returns `default` (`"warn"`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return default
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        message = f"{what} {path} is corrupt ({exc.__class__.__name__}: {exc})"
+        if on_corrupt == "raise":
+            raise CorruptStateError(message) from None
+        warnings.warn(f"{message}; ignoring it", stacklevel=2)
+        return default
+
+
+@contextlib.contextmanager
+def locked(path: str | Path):
+    """An exclusive lock on `path`.lock for a read-modify-write shared by several processes."""
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def update_json(path: str | Path, change: Callable[[Any], Any], default: Any = None, *, what: str = "state file") -> Any:
+    """Read `path` (a corrupt file counts as `default`, with a warning), apply `change`, write it back
+    atomically, under a lock. Returns what was written."""
+    with locked(path):
+        data = read_json(path, default, what=what)
+        data = change(data)
+        write_json(path, data)
+        return data
+
+
+# --- manifests: a folder's files with their sizes and hashes -------------------------------------
+
+MANIFEST = "MANIFEST.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Record the size and SHA-256 of every file in `folder` (not in subfolders) in MANIFEST.json."""
+    folder = Path(folder)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    return write_json(folder / MANIFEST, files)
+
+
+def verify_manifest(folder: str | Path) -> str | None:
+    """None when every file of `folder`'s manifest is there with its size and hash; otherwise what is
+    wrong (no manifest, a missing, truncated or changed file), in words."""
+    folder = Path(folder)
+    files = read_json(folder / MANIFEST, None, what="manifest")
+    if not isinstance(files, dict) or not files:
+        return f"{folder / MANIFEST} is missing or unreadable"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            return f"{path} has {size:,} bytes, its manifest says {expected.get('bytes'):,} (truncated or replaced)"
+        if _sha256(path) != expected.get("sha256"):
+            return f"{path} does not match the SHA-256 in its manifest"
+    return None

@@ -1,14 +1,18 @@
 """utils.serving with a real `transformers serve` of SmolLM2 on the CPU: completions come back, the
-load test measures, and no server process or port outlives the `with` block, even on an error."""
+load test measures, no server process or port outlives the `with` block (an error, SIGTERM of the run,
+the kernel's death), a stale server is never measured, and a dead, wedged or over-asked engine is
+reported with a reason."""
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from utils import models, serving
+from conftest import ROOT
+from utils import models, processes, serving
 
 ENGINE = serving.find_engine("transformers")
 needs_server = pytest.mark.skipif(ENGINE is None or models.smollm2_gguf() is None,
@@ -35,10 +39,11 @@ def server_environ(pid: int) -> dict[str, str]:
 def test_real_completions_and_a_clean_stop(smollm2, tmp_path):
     log = tmp_path / "serve.log"
     with serving.Server(ENGINE, smollm2, device="cpu", log_path=log) as server:
-        assert server_environ(server.proc.pid)["HF_HUB_OFFLINE"] == "1"
+        engine_pids = processes.listener_pids(server.port)
+        assert engine_pids and all(server_environ(p)["HF_HUB_OFFLINE"] == "1" for p in engine_pids)
         answer = serving.chat(server, "What is the capital of France? Answer in one word.", max_tokens=8)
         levels = serving.sweep(server, [1, 2], prompts=["Count to ten."], max_tokens=6, progress=False)
-        pgid, port = server.proc.pid, server.port
+        pgid, port = server.pgid, server.port
     assert "paris" in answer.text.lower()
     assert 0 < answer.output_tokens <= 8 and answer.ttft_s > 0
     assert [lv.concurrency for lv in levels] == [1, 2]
@@ -60,11 +65,26 @@ def test_an_exception_mid_sweep_still_stops_the_server(smollm2, tmp_path):
 
     with pytest.raises(RuntimeError, match="stop after concurrency 1"):
         with serving.Server(ENGINE, smollm2, device="cpu", log_path=tmp_path / "serve.log") as server:
-            seen["pgid"], seen["port"] = server.proc.pid, server.port
+            seen["pgid"], seen["port"] = server.pgid, server.port
             serving.sweep(server, [1, 2, 4], prompts=["Hi"], max_tokens=4, progress=False,
                           on_level=fail_after_first_level)
     assert not serving.group_alive(seen["pgid"])
     assert not serving.port_open(seen["port"])
+
+
+FAKE_ENGINE = """import http.server, json, signal, sys
+# SIGTERM
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        body = json.dumps({"choices": [{"message": {"content": "x"}}]}).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H).serve_forever()
+"""
 
 
 def test_a_server_that_dies_reports_its_log_and_leaves_nothing(tmp_path):
@@ -73,7 +93,7 @@ def test_a_server_that_dies_reports_its_log_and_leaves_nothing(tmp_path):
     fake.write_text("#!/bin/sh\necho 'cannot load the model' >&2\nsleep 30 &\nexit 3\n")
     fake.chmod(0o755)
     server = serving.Server(serving.Engine("transformers", str(fake)), tmp_path, log_path=tmp_path / "log")
-    with pytest.raises(serving.ServerError, match="exited with code 3(.|\n)*cannot load the model"):
+    with pytest.raises(serving.ServerError, match=r"exited \(code 3\) before it was healthy(.|\n)*cannot load the model"):
         server.__enter__()
     assert not serving.group_alive(server.pgid), "the child it left behind (sleep) was not ended"
 
@@ -81,10 +101,7 @@ def test_a_server_that_dies_reports_its_log_and_leaves_nothing(tmp_path):
 def test_stop_escalates_to_sigkill(tmp_path):
     """A server that ignores SIGTERM is killed after stop_timeout."""
     script = tmp_path / "stubborn.py"
-    script.write_text("import http.server, signal, sys\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                      "class H(http.server.BaseHTTPRequestHandler):\n"
-                      "    def do_GET(self):\n        self.send_response(200); self.end_headers()\n"
-                      "http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H).serve_forever()\n")
+    script.write_text(FAKE_ENGINE.replace("# SIGTERM", "signal.signal(signal.SIGTERM, signal.SIG_IGN)"))
 
     class Stubborn(serving.Engine):
         def command(self, model, *, host, port, device, served_name):
@@ -92,7 +109,7 @@ def test_stop_escalates_to_sigkill(tmp_path):
 
     with serving.Server(Stubborn("transformers", sys.executable), tmp_path, log_path=tmp_path / "log",
                         stop_timeout=1) as server:
-        pgid, port = server.proc.pid, server.port
+        pgid, port = server.pgid, server.port
         assert serving.port_open(port)
     assert not serving.group_alive(pgid) and not serving.port_open(port)
 
@@ -116,3 +133,146 @@ def test_engine_choice_and_commands(monkeypatch, tmp_path):
     assert "--cb-use-cuda-graph" in gpu and "--cb-use-cuda-graph" not in cpu
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert tf.environment("cpu")["HF_HUB_OFFLINE"] == "1" and (tmp_path / "hf" / "hub").is_dir()
+
+
+def fake_engine(tmp_path, listen=True):
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE if listen else "import time\ntime.sleep(600)\n")
+
+    class Fake(serving.Engine):
+        def command(self, model, *, host, port, device, served_name):
+            return [sys.executable, str(script), str(port)]
+
+        def context_limit(self, device, model=None):
+            return 2048
+
+    return Fake("transformers", sys.executable)
+
+
+def test_a_port_in_use_is_neither_measured_nor_stopped(tmp_path):
+    """A stale server (another run's, another learner's) on an explicit port: a clear error, and it lives on."""
+    port = serving.free_port()
+    stale = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, str(port)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not serving.port_open(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server = serving.Server(fake_engine(tmp_path), tmp_path, log_path=tmp_path / "log", port=port)
+        with pytest.raises(serving.ServerError, match=rf"port {port} is already in use by pid {stale.pid}: not this run's"):
+            server.__enter__()
+        assert stale.poll() is None and serving.port_open(port)
+    finally:
+        stale.kill()
+        stale.wait()
+
+
+def test_a_server_that_is_not_ours_never_counts_as_healthy(tmp_path, monkeypatch):
+    """Whoever answers /health on our port must carry this server's nonce: an impostor that starts
+    listening there after the port check is never taken for ours."""
+    port = serving.free_port()
+    impostor = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, str(port)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not serving.port_open(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        monkeypatch.setattr(serving, "port_open", lambda *a, **k: False)   # as if it came up just after the check
+        server = serving.Server(fake_engine(tmp_path, listen=False), tmp_path, log_path=tmp_path / "log",
+                                port=port, startup_timeout=4)
+        with pytest.raises(serving.ServerError, match="was not healthy after 4 s"):
+            server.__enter__()
+        assert not serving.group_alive(server.pgid) and impostor.poll() is None
+    finally:
+        impostor.kill()
+        impostor.wait()
+
+
+def raw_chat(server, prompt, max_tokens=8):
+    """A request sent around the course's client (no validation), as a careless script would."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": server.served_name, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(server.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@needs_server
+def test_long_prompts_are_refused_and_a_wedged_engine_is_reported_then_restarted(smollm2, tmp_path):
+    with serving.Server(ENGINE, smollm2, device="cpu", log_path=tmp_path / "serve.log",
+                        restart_wedged=True) as server:
+        long_prompt = "word " * 2100
+        with pytest.raises(serving.RequestRejected, match=r"the prompt takes 2,1\d\d tokens .* > the 2,048 tokens"):
+            serving.chat(server, long_prompt, max_tokens=8)
+        with pytest.raises(serving.RequestRejected, match="max_tokens=0 must be"):
+            serving.chat(server, "Hi", max_tokens=0)
+        assert "paris" in serving.chat(server, "What is the capital of France?", max_tokens=8).text.lower()
+        # the same prompt sent around the client kills transformers' batching worker: /health stays OK
+        assert raw_chat(server, long_prompt) == 503
+        with pytest.raises(serving.ServerError, match="is wedged: .*one-token generation failed"):
+            server.probe()
+        first_pgid = server.pgid
+        server.check()                                  # restart_wedged: a new engine, working again
+        assert server.pgid != first_pgid and not serving.group_alive(first_pgid)
+        assert serving.chat(server, "Hi", max_tokens=4).output_tokens > 0
+        pgid = server.pgid
+        os.killpg(pgid, signal.SIGKILL)                 # the engine dies under the client
+        time.sleep(0.5)
+        with pytest.raises(serving.ServerError, match=r"the lab 05 server \(transformers\) exited \(code -9\)"):
+            serving.chat(server, "Hi", max_tokens=4)
+
+
+LAB05_LIKE = """
+import os, pathlib, time
+from utils import models, serving
+engine = serving.find_engine("transformers")
+server = serving.Server(engine, models.smollm2(), device="cpu", log_path=os.environ["LOG"]).__enter__()
+pathlib.Path(os.environ["MARK"]).write_text(f"{server.port} {server.pgid} {os.getpid()}")
+time.sleep(600)
+"""
+
+
+@needs_server
+@pytest.mark.parametrize("fault", ["SIGTERM of make run", "SIGKILL of the kernel"])
+def test_no_server_outlives_a_killed_run_or_kernel(smollm2, tmp_path, fault):
+    """`make run` gets SIGTERM (a CI timeout, `kill`) while lab 05 serves, or the notebook's kernel is
+    killed (out of memory, a restart in JupyterLab): within seconds no server process and no port remain."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[new_code_cell('DEVICE = "auto"', metadata={"tags": ["parameters"]}),
+                             new_code_cell(LAB05_LIKE)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "05_like.ipynb"
+    nbformat.write(nb, path)
+    mark = tmp_path / "mark"
+    env = dict(os.environ, COURSE_BUILD_DIR=str(tmp_path / "build"), MARK=str(mark), LOG=str(tmp_path / "serve.log"),
+               PYTHONPATH=str(ROOT))
+    run = subprocess.Popen([sys.executable, "-m", "utils.harness", "run", "--device", "cpu", str(path)], cwd=ROOT,
+                           env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not mark.exists() and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        assert mark.exists(), run.communicate(timeout=30)[0][-3000:]
+        port, pgid, kernel = map(int, mark.read_text().split())
+        assert serving.port_open(port) and serving.group_alive(pgid)
+        if fault == "SIGKILL of the kernel":
+            os.kill(kernel, signal.SIGKILL)
+        else:
+            os.killpg(run.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while (serving.group_alive(pgid) or serving.port_open(port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not serving.group_alive(pgid), "the server's process group outlived the run"
+        assert not serving.port_open(port), "the server's port is still open"
+        out, _ = run.communicate(timeout=60)
+        assert run.returncode == (143 if fault == "SIGTERM of make run" else 1), out[-2000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)

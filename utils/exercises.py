@@ -1,29 +1,195 @@
-"""Exercise plumbing shared by every lab.
+"""The exercises' contract: an unfinished exercise says NOT DONE and the lab runs on; a wrong one fails loudly.
 
-Solutions mark the code a learner writes with `### BEGIN SOLUTION` / `### END SOLUTION`; the lab
-generator (nbgrader's ClearSolutions, see `utils.harness`) replaces it with `STUB`, which raises
-`NotImplementedError("exercise not done ...")`. `check()` turns a comparison into one PASS line or
-an AssertionError carrying a precise hint.
+In a lab, every exercise is a region of a function (see `utils.solutions`); the generated lab holds a
+stub there. One `Lab` object per notebook grades them:
+
+    ex = exercises.Lab("03_bf16_matmul")
+    ex.grade("3.2", "the K loop", check_matmul, triton_matmul, uses=[matmul_kernel])
+    matmul = ex.answer("3.2", triton_matmul, "triton_matmul")   # later cells use this
+
+`grade` runs the checker on the learner's code. Unfinished (a stub raised, or a function in `uses`
+still holds a stub) -> it prints `NOT DONE: exercise 3.2 (the K loop) - ...` and returns False, and the
+notebook goes on. Finished and right -> `PASS: ...`, True. Finished and wrong -> `ExerciseFailed` with
+the checker's hint, which stops Run All there: a wrong answer must not pass silently.
+`answer` hands later cells the learner's function when it passed, otherwise the course's reference
+(the solution notebook's exported cells) with a printed note, so measurements, plots and machine code
+still run. Results go to `build/progress.json` (`make progress`).
 """
 from __future__ import annotations
 
-import re
+import datetime as _dt
+import inspect
+import os
+from pathlib import Path
+from typing import Callable
 
 EXERCISE_NOT_DONE = "exercise not done"
 STUB = f'raise NotImplementedError("{EXERCISE_NOT_DONE}: replace this line with your code, then re-run the cell")'
 
 
+def stub(exercise: str, *, triton: bool = False) -> str:
+    """The line that stands for an unfinished exercise: a no-op inside a Triton kernel (which must still
+    compile), a raise elsewhere."""
+    where = f"{EXERCISE_NOT_DONE}: {exercise}, replace this line with your code"
+    if triton:
+        return f"pass  # {where}"
+    return f'raise NotImplementedError("{where}, then re-run the cell")'
+
+
+def _source(fn) -> str:
+    for candidate in (getattr(fn, "src", None), getattr(getattr(fn, "fn", None), "__wrapped__", None)):
+        if isinstance(candidate, str):
+            return candidate
+    target = getattr(fn, "fn", fn)
+    try:
+        return inspect.getsource(target)
+    except (OSError, TypeError):
+        return ""
+
+
+def unfinished(*fns) -> bool:
+    """Whether any of `fns` (functions or `@triton.jit` kernels) still holds an exercise stub."""
+    return any(EXERCISE_NOT_DONE in _source(fn) for fn in fns)
+
+
 def is_exercise_stub_error(ename: str, evalue: str) -> bool:
-    """Whether an error output (its name and value) is the stub's own error: raised by the stub, or,
-    for a stub inside a `@triton.jit` kernel, the interpreter's wrapper of it (InterpreterError) or
-    the compiler's error that quotes the stub line."""
+    """Whether an error (its name and value) is an exercise stub's own: raised by the stub, or, for a
+    stub inside a kernel, the interpreter's or compiler's error that quotes it."""
     if ename == "NotImplementedError" and evalue.startswith(EXERCISE_NOT_DONE):
         return True
-    return re.search(r"NotImplementedError\(['\"]" + EXERCISE_NOT_DONE, evalue) is not None
+    return f"NotImplementedError('{EXERCISE_NOT_DONE}" in evalue or f'NotImplementedError("{EXERCISE_NOT_DONE}' in evalue
+
+
+def _is_not_done(exc: BaseException) -> bool:
+    while exc is not None:
+        if EXERCISE_NOT_DONE in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class ExerciseFailed(AssertionError):
+    """A finished exercise gives a wrong answer; the message is the checker's hint."""
+
+    def _render_traceback_(self):  # IPython prints this instead of a traceback
+        return [f"ExerciseFailed: {self}"]
 
 
 def check(name: str, ok: bool, hint: str) -> None:
-    """Print `PASS: name`, or raise AssertionError("name: hint")."""
+    """Print `PASS: name`, or raise ExerciseFailed("name: hint")."""
     if not ok:
-        raise AssertionError(f"{name}: {hint}")
+        raise ExerciseFailed(f"{name}: {hint}")
     print(f"PASS: {name}")
+
+
+class Lab:
+    """Grades one lab's exercises and hands later cells a working answer."""
+
+    def __init__(self, lab: str):
+        self.lab = lab
+        self.status: dict[str, str] = {}
+        self.titles: dict[str, str] = {}
+        self._reference = None
+
+    def grade(self, exercise: str, title: str, checker: Callable, *args, uses=()) -> bool:
+        """Run `checker(*args)`. Returns True (PASS) or False (NOT DONE); raises ExerciseFailed (wrong)."""
+        self.titles[exercise] = title
+        if unfinished(*uses):
+            return self._not_done(exercise, title)
+        try:
+            checker(*args)
+        except ExerciseFailed:
+            self._set(exercise, title, "failed")
+            raise
+        except AssertionError as exc:           # a checker's own assert: the same verdict
+            self._set(exercise, title, "failed")
+            raise ExerciseFailed(f"exercise {exercise} ({title}): {exc}") from None
+        except Exception as exc:
+            if _is_not_done(exc):
+                return self._not_done(exercise, title)
+            self._set(exercise, title, "failed")
+            raise
+        self._set(exercise, title, "passed")
+        print(f"PASS: exercise {exercise} ({title})")
+        return True
+
+    def speed(self, exercise: str, achieved: float | None, target: float | None, unit: str,
+              *, reason: str = "") -> bool | None:
+        """Report a "make it faster" exercise's speed against its target: printed and recorded as met or
+        not met, never asserted. `achieved=None` (no GPU, the interpreter) prints why it was not measured."""
+        title = self.titles.get(exercise, "")
+        if achieved is None or target is None:
+            print(f"SPEED: exercise {exercise} ({title}): not measured here ({reason or 'needs a GPU'})")
+            _record(f"{exercise} speed", title, "not measured", lab=self.lab)
+            return None
+        met = achieved >= target
+        print(f"SPEED: exercise {exercise} ({title}): {achieved:,.4g} {unit} against a target of "
+              f"{target:,.4g} {unit}: {'met' if met else 'NOT met'}")
+        _record(f"{exercise} speed", title, "met" if met else "not met", lab=self.lab)
+        return met
+
+    def done(self, exercise: str) -> bool:
+        return self.status.get(exercise) == "passed"
+
+    def answer(self, exercise: str, mine, reference: str):
+        """`mine` if the exercise passed, else the reference's `reference` attribute, with a note."""
+        if self.done(exercise):
+            return mine
+        title = self.titles.get(exercise, "")
+        why = "not passing" if self.status.get(exercise) == "failed" else "not done"
+        print(f"NOTE: exercise {exercise}{f' ({title})' if title else ''} is {why}: the cells below use the "
+              f"course's reference `{reference}` from solutions/{self.lab}.ipynb")
+        return getattr(self.reference, reference)
+
+    def skip_unless_done(self, exercise: str, what: str) -> bool:
+        """True if the exercise passed; otherwise print a SKIP line naming it and return False."""
+        if self.done(exercise):
+            return True
+        title = self.titles.get(exercise, "")
+        print(f"SKIP: {what} needs exercise {exercise}{f' ({title})' if title else ''}, which is not done yet")
+        return False
+
+    @property
+    def reference(self):
+        """The solution notebook's exported cells, as a module (loaded on first use)."""
+        if self._reference is None:
+            from . import solutions
+
+            self._reference = solutions.load(self.lab)
+        return self._reference
+
+    def _not_done(self, exercise: str, title: str) -> bool:
+        self._set(exercise, title, "not done")
+        print(f"NOT DONE: exercise {exercise} ({title}): write your code where the TODO({exercise}) stub is, "
+              "re-run that cell, then this one")
+        return False
+
+    def _set(self, exercise: str, title: str, status: str) -> None:
+        self.status[exercise] = status
+        _record(exercise, title, status, lab=self.lab)
+
+
+def progress_path() -> Path:
+    from .report import build_dir
+
+    return build_dir() / "progress.json"
+
+
+def _record(exercise: str, title: str, status: str, *, lab: str) -> None:
+    """Remember the latest verdict of an exercise in build/progress.json, per folder the notebook ran in
+    (`labs` for the learner's work, `solutions` for the course's)."""
+    from . import state
+
+    where = Path.cwd().name
+    stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+    def change(data):
+        data = data if isinstance(data, dict) else {}
+        data.setdefault(where, {}).setdefault(lab, {})[exercise] = {"title": title, "status": status,
+                                                                    "when": stamp, "pid": os.getpid()}
+        return data
+
+    try:
+        state.update_json(progress_path(), change, {}, what="progress file")
+    except OSError:
+        pass   # a read-only checkout: grading still works, progress is not kept

@@ -1,0 +1,62 @@
+"""Helpers for the tests that run notebooks and grade answers (imported by the test modules)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+
+from utils import harness, solutions
+
+
+def errors(nb) -> list[tuple[str, str]]:
+    """(name, value + traceback) of every error output of an executed notebook."""
+    strip = lambda text: re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return [(o.ename, o.evalue + "\n" + strip("\n".join(o.get("traceback", []))))
+            for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+
+
+def stream_text(nb) -> str:
+    """Everything the notebook printed (stdout streams), in order."""
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.output_type == "stream")
+
+
+def run_notebook(notebook, tmp_path: Path, parameters: dict | None = None, **kwargs):
+    """Execute a notebook (a path, or a NotebookNode written first) with papermill in the solutions'
+    folder, with the course's notebook environment; returns the executed NotebookNode. Papermill's
+    PapermillExecutionError propagates (the executed copy is still written)."""
+    import os
+
+    import papermill as pm
+
+    if not isinstance(notebook, (str, Path)):
+        path = tmp_path / "input.ipynb"
+        nbformat.write(notebook, path)
+        notebook = path
+    out = tmp_path / Path(notebook).name
+    env = harness.notebook_env()
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        pm.execute_notebook(str(notebook), str(out), parameters=parameters or {}, cwd=str(solutions.SOLUTIONS),
+                            kernel_name="python3", progress_bar=False, execution_timeout=900, **kwargs)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nbformat.read(out, 4)
+
+
+def run_lab_with(lab: str, answers: dict, tmp_path: Path, parameters: dict | None = None):
+    """The generated lab with `answers` substituted (stubs elsewhere), executed. Returns
+    (executed notebook, (ename, evalue) of the error that stopped it, or None)."""
+    import papermill as pm
+
+    nb = solutions.lab_with_answers(lab, answers)
+    try:
+        return run_notebook(nb, tmp_path, {"DEVICE": "cpu", **(parameters or {})}), None
+    except pm.PapermillExecutionError as err:
+        return nbformat.read(tmp_path / "input.ipynb", 4), (err.ename, err.evalue)

@@ -1,0 +1,169 @@
+"""The exercise contract (utils.exercises) and the solution notebooks as code (utils.solutions): stubs that
+keep a lab runnable, NOT DONE / PASS / a loud failure, the reference answer for later cells, progress."""
+import json
+import os
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from utils import exercises, solutions
+from utils.exercises import ExerciseFailed
+
+
+def notebook(*sources, tags=None):
+    nb = new_notebook(cells=[new_code_cell(s, metadata={"tags": tags or []}) for s in sources])
+    return nb
+
+
+PY = '''def f(x):
+    # TODO(9.1, 1 line): double x
+    ### BEGIN SOLUTION
+    return 2 * x
+    ### END SOLUTION'''
+
+KERNEL = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def k(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    for i in range(0, 1):
+        # TODO(9.2, 1 line): double x
+        ### BEGIN SOLUTION
+        x = x * 2
+        ### END SOLUTION
+    tl.store(x_ptr + offs, x, mask=offs < n)'''
+
+
+def test_regions_are_found_with_their_exercise_and_kind():
+    rs = solutions.regions(notebook(PY, KERNEL))
+    assert [(r.exercise, r.function, r.triton) for r in rs] == [("9.1", "f", False), ("9.2", "k", True)]
+    assert solutions.exercises(notebook(PY)) == {"9.1": "TODO(9.1, 1 line): double x"}
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION", "no '# TODO"),
+    ("def f():\n    # TODO(9.1): x\n    ### BEGIN SOLUTION\n    return 1", "without ### END SOLUTION"),
+    ("# TODO(9.1): x\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION", "not inside a function"),
+    ("def f():\n    return 1\n    ### END SOLUTION", "without ### BEGIN SOLUTION"),
+])
+def test_malformed_regions_are_named(source, message):
+    with pytest.raises(solutions.RegionError, match=message):
+        solutions.regions(notebook(source), "x.ipynb")
+
+
+def test_stubs_raise_in_python_and_compile_in_triton():
+    nb = solutions._fill(notebook(PY, KERNEL), "x", None, stubs=True)
+    py, kernel = nb.cells[0].source, nb.cells[1].source
+    assert "BEGIN SOLUTION" not in py + kernel and "TODO(9.1" in py and "TODO(9.2" in kernel
+    assert 'raise NotImplementedError("exercise not done: 9.1' in py
+    assert "pass  # exercise not done: 9.2" in kernel
+    scope = {}
+    exec(py, scope)
+    with pytest.raises(NotImplementedError, match="exercise not done: 9.1"):
+        scope["f"](1)
+
+
+def test_answers_replace_regions_with_their_indentation():
+    nb = solutions._fill(notebook(PY, KERNEL), "x", {"9.1": "y = x + x\nreturn y", "9.2": "x = x + x"}, stubs=True)
+    assert "    y = x + x\n    return y" in nb.cells[0].source
+    assert "        x = x + x" in nb.cells[1].source
+    with pytest.raises(ValueError, match=r"has no exercise \['9.9'\]"):
+        solutions._fill(notebook(PY), "x", {"9.9": "pass"}, stubs=True)
+
+
+def test_grade_pass_not_done_and_wrong(build_dir, capsys):
+    lab = exercises.Lab("99_demo")
+
+    def check_double(f):
+        exercises.check("f(3) == 6", f(3) == 6, "multiply by two")
+
+    assert lab.grade("9.1", "double", check_double, lambda x: 2 * x) is True
+    out = capsys.readouterr().out
+    assert "PASS: f(3) == 6" in out and "PASS: exercise 9.1 (double)" in out
+
+    def stub(x):
+        raise NotImplementedError("exercise not done: 9.1, replace this line with your code, then re-run the cell")
+
+    assert lab.grade("9.1", "double", check_double, stub) is False
+    assert "NOT DONE: exercise 9.1 (double)" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match=r"f\(3\) == 6: multiply by two"):
+        lab.grade("9.1", "double", check_double, lambda x: x + 2)
+    assert lab.status["9.1"] == "failed"
+    # a finished, wrong answer renders as one line in IPython, with the hint
+    try:
+        lab.grade("9.1", "double", check_double, lambda x: 3 * x)
+    except ExerciseFailed as err:
+        assert err._render_traceback_() == ["ExerciseFailed: f(3) == 6: multiply by two"]
+
+
+def test_a_kernel_that_still_holds_its_stub_is_not_done_without_running_it(build_dir, capsys, tmp_path):
+    source = solutions._fill(notebook(KERNEL), "x", None, stubs=True).cells[0].source
+    path = tmp_path / "kern.py"
+    path.write_text(source)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kern_stub", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert exercises.unfinished(mod.k)
+    ran = []
+    assert exercises.Lab("99_demo").grade("9.2", "double in a kernel", lambda: ran.append(1), uses=[mod.k]) is False
+    assert not ran and "NOT DONE: exercise 9.2" in capsys.readouterr().out
+
+
+def test_answer_hands_the_reference_to_later_cells_when_not_done(build_dir, capsys):
+    lab = exercises.Lab("00_environment")
+    mine = lambda m, n, k: 0
+    lab.status["0.1"] = "not done"
+    got = lab.answer("0.1", mine, "matmul_flops")
+    assert got is not mine and got(2, 3, 4) == 48
+    out = capsys.readouterr().out
+    assert "NOTE: exercise 0.1 is not done" in out and "course's reference `matmul_flops`" in out
+    lab.status["0.1"] = "passed"
+    assert lab.answer("0.1", mine, "matmul_flops") is mine
+
+
+def test_speed_is_reported_never_asserted(build_dir, capsys):
+    lab = exercises.Lab("99_demo")
+    lab.titles["9.3"] = "faster"
+    assert lab.speed("9.3", 2900.0, 3000.0, "GB/s") is False
+    assert lab.speed("9.3", 3100.0, 3000.0, "GB/s") is True
+    assert lab.speed("9.3", None, 3000.0, "GB/s", reason="the interpreter") is None
+    out = capsys.readouterr().out
+    assert "NOT met" in out and ": met" in out and "not measured here (the interpreter)" in out
+
+
+def test_progress_is_recorded_per_folder(build_dir, tmp_path, monkeypatch):
+    (tmp_path / "labs").mkdir()
+    monkeypatch.chdir(tmp_path / "labs")
+    lab = exercises.Lab("00_environment")
+    lab.grade("0.1", "count", lambda: None)
+    data = json.loads((build_dir / "progress.json").read_text())
+    assert data["labs"]["00_environment"]["0.1"]["status"] == "passed"
+
+
+def test_load_exports_modules_with_answers_and_stubs(build_dir):
+    ref = solutions.load("00")
+    assert ref.matmul_flops(2, 3, 4) == 48
+    wrong = solutions.load("00_environment", answers={"0.1": "return m * n * k"})
+    assert wrong.matmul_flops(2, 3, 4) == 24 and wrong is not ref
+    assert solutions.load("00", answers={"0.1": "return m * n * k"}) is wrong       # imported once
+    stub = solutions.load("0", stubs=True)
+    with pytest.raises(NotImplementedError, match="exercise not done: 0.1"):
+        stub.matmul_flops(1, 1, 1)
+    assert os.path.basename(os.path.dirname(ref.__file__)) == "export"
+    assert os.path.basename(ref.__file__).startswith("course_export_00_environment_")
+    with pytest.raises(ValueError, match="no solution notebook for lab '42'"):
+        solutions.load("42")
+
+
+def test_lab_with_answers_is_the_generated_lab_plus_those_answers():
+    nb = solutions.lab_with_answers("00", {"0.2": "return 3 * n * itemsize"})
+    text = "\n".join(c.source for c in nb.cells)
+    assert "return 3 * n * itemsize" in text and 'raise NotImplementedError("exercise not done: 0.1' in text
+    assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code")
+    assert isinstance(nb, nbformat.NotebookNode)

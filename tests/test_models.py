@@ -75,3 +75,45 @@ def test_smollm2_converts_to_the_same_model(tmp_path):
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, original(ids).logits)
     assert tok.chat_template and "im_start" in tok.chat_template
+
+
+def test_a_damaged_cached_model_is_rebuilt_not_reused(tmp_path, monkeypatch):
+    """A truncated safetensors file (a full disk, a killed copy) is found by the manifest and rebuilt."""
+    import warnings
+
+    from utils import state
+
+    folder = tmp_path / "course-bpe"
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 200)
+    models.train_tokenizer([text], folder, vocab_size=300)
+    assert state.verify_manifest(folder) is None
+    blob = folder / "tokenizer.json"
+    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])          # truncated
+    assert "truncated" in state.verify_manifest(folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models.train_tokenizer([text], folder, vocab_size=300)
+    assert any("is damaged" in str(w.message) and "tokenizer.json" in str(w.message) for w in caught)
+    assert state.verify_manifest(folder) is None
+
+
+def test_nvcc_from_the_pip_wheel_is_found(tmp_path, monkeypatch):
+    """nvidia-cuda-nvcc puts nvcc in site-packages/nvidia/cuda_nvcc/bin, not on PATH: it is found there
+    (the hint used to say "install nvidia-cuda-nvcc" to someone who had)."""
+    import importlib
+    import sys
+
+    from utils import isa
+
+    nvcc = tmp_path / "nvidia" / "cuda_nvcc" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    importlib.invalidate_caches()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    assert nvcc.parent in isa._nvidia_wheel_bins()
+    found = isa.find_tool("nvcc")
+    assert found in (str(nvcc), "/usr/local/cuda/bin/nvcc")     # a CUDA toolkit, where there is one, comes first

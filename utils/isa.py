@@ -60,15 +60,28 @@ def _triton_nvidia_bin() -> Path | None:
     return path if path.is_dir() else None
 
 
+def _nvidia_wheel_bins() -> list[Path]:
+    """The bin folders of NVIDIA's PyPI tool wheels (nvidia-cuda-nvcc, -cuobjdump, -nvdisasm), which
+    pip puts inside site-packages/nvidia/, not on PATH."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return sorted(b for root in roots for b in Path(root).glob("*/bin") if b.is_dir())
+
+
 def find_tool(name: str) -> str:
-    """Path of a compiler or disassembler: PATH, then CUDA_HOME/ROCM_PATH, then the copies of
-    ptxas/cuobjdump/nvdisasm that ship inside PyPI's Triton. Raises ToolMissing."""
+    """Path of a compiler or disassembler: PATH, then CUDA_HOME/ROCM_PATH, then NVIDIA's PyPI tool
+    wheels, then the copies of ptxas/cuobjdump/nvdisasm that ship inside PyPI's Triton. Raises ToolMissing."""
     found = shutil.which(name)
     if found:
         return found
     for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", os.environ.get("ROCM_PATH"), "/opt/rocm"):
         if root and (Path(root) / "bin" / name).exists():
             return str(Path(root) / "bin" / name)
+    for folder in _nvidia_wheel_bins():
+        if (folder / name).exists():
+            return str(folder / name)
     bundled = _triton_nvidia_bin()
     if bundled and (bundled / name).exists():
         return str(bundled / name)

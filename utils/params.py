@@ -156,19 +156,36 @@ def _model_shapes():
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "cuda", "rocm")
 SPECS: dict[str, Spec] = {
+    # every lab
     "DEVICE": Spec("choice", DEVICE_CHOICES, none_ok=False),
-    # sizes and repetitions
-    "MATMUL_N": Spec("count"), "ADD_N": Spec("count"), "MIN_N": Spec("count"), "MAX_N": Spec("count"),
-    "N": Spec("count"), "ITERS": Spec("count", maximum=1 << 20, none_ok=False),
-    "REPS": Spec("count", maximum=10_000), "BATCH": Spec("count"), "HEADS": Spec("count"),
-    "NAIVE_MAX_N": Spec("count"), "BENCH_N": Spec("counts"), "SEQ_LENS": Spec("counts"),
-    "HEAD_DIMS": Spec("counts", maximum=256), "HEADLINE": Spec("pair"),
+    "REPS": Spec("count", maximum=10_000),
     "WARMUP_MS": Spec("milliseconds", maximum=60_000, none_ok=False),
+
+    # lab 00
+    "MATMUL_N": Spec("count"), "ADD_N": Spec("count"),
+
+    # lab 01
+    "MIN_N": Spec("count"), "MAX_N": Spec("count"),
+
+    # lab 02
+    "N": Spec("count"), "ITERS": Spec("count", maximum=1 << 20, none_ok=False),
+
+    # lab 03
+    "BENCH_N": Spec("counts"),
+
+    # lab 04
+    "BATCH": Spec("count"), "HEADS": Spec("count"), "NAIVE_MAX_N": Spec("count"), "SEQ_LENS": Spec("counts"),
+    "HEAD_DIMS": Spec("counts", maximum=256), "HEADLINE": Spec("pair"),
+
     # lab 05
     "ENGINE": Spec("choice", ("auto", "vllm", "transformers"), none_ok=False),
     "RANDOM_SHAPE": Spec("choice", _model_shapes), "SERVE_MODEL": Spec("choice", ("smollm2", "random")),
     "CONCURRENCY": Spec("counts", maximum=1024), "OUTPUT_TOKENS": Spec("count", maximum=4096),
     "DECODE_TOKENS": Spec("count", maximum=4096),
+
+    # lab 06
+
+    # lab 07
 }
 
 

@@ -197,9 +197,10 @@ def cpu_simd_lanes() -> tuple[str, int] | None:
     return None
 
 
-def measure_cpu_ceilings(info: DeviceInfo, *, copy_mib: int = 64, matmul_n: int = 1024, reps: int = 3) -> DeviceInfo:
+def measure_cpu_ceilings(info: DeviceInfo, *, copy_mib: int | None = None, matmul_n: int = 1024,
+                         reps: int = 3) -> DeviceInfo:
     """A CPU's ceilings, measured, since no data sheet gives them here: memory bandwidth as the best of
-    `reps` copies of `copy_mib` MiB (at least 4x the last-level cache; read and written, so 2x the bytes,
+    `reps` copies of `copy_mib` MiB (default: 64 MiB or 4x the last-level cache; read and written, so 2x the bytes,
     as STREAM counts a copy), the fp32 rate as the best of `reps` `torch.matmul` of `matmul_n`³ float32 on
     PyTorch's threads. Returns `info` with `peak_bandwidth_gbps` and `peak_fp32_tflops` set, `measured`
     True and a note saying how they were obtained. These are what software reaches here, a practical
@@ -213,11 +214,13 @@ def measure_cpu_ceilings(info: DeviceInfo, *, copy_mib: int = 64, matmul_n: int 
 
     from .timing import benchmark
 
-    try:
-        llc = os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0
-    except (ValueError, OSError, AttributeError):
-        llc = 0
-    nbytes = max(copy_mib * 2**20, 4 * llc)
+    if copy_mib is None:
+        try:
+            llc = os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0
+        except (ValueError, OSError, AttributeError):
+            llc = 0
+        copy_mib = max(64, 4 * llc // 2**20)
+    nbytes = copy_mib * 2**20
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     copy = benchmark(lambda: dst.copy_(src), warmup=1, reps=reps, flush_l2=False, device="cpu")

@@ -46,11 +46,12 @@ def port_listening(port: int, host: str = LOOPBACK) -> bool:
 
 
 def rank_env(base: dict | None = None) -> dict[str, str]:
-    """The environment of every rank: the caller's, plus NVLS off, gloo on the loopback interface,
-    unbuffered output and no model hub."""
+    """The environment of every rank: the caller's, plus NVLS off, gloo's and NCCL's sockets on the loopback
+    interface (unless the caller names another), unbuffered output and no model hub."""
     env = dict(os.environ if base is None else base)
     env.update(NVLS_OFF)
-    env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)   # one machine: the ranks' own connections stay
+    env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)   # on the loopback interface (NCCL: its bootstrap)
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
                TRANSFORMERS_VERBOSITY=env.get("TRANSFORMERS_VERBOSITY", "error"))
     return env

@@ -152,7 +152,8 @@ class Collectives:
         """[1, part] on every rank -> [ranks, part], rank r's part in row r."""
         import torch.distributed._functional_collectives as fc
 
-        return fc.all_gather_tensor(x, 0, self.group)
+        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor   # the newer name, same call
+        return gather(x, 0, self.group)
 
 
 class _Layer(torch.nn.Module):
@@ -289,7 +290,6 @@ class TPLlama(torch.nn.Module):
 # --- running it ----------------------------------------------------------------------------------------
 
 def _sync(device):
-
     if getattr(device, "type", device) == "cuda":
         torch.cuda.synchronize(device)
 
@@ -297,7 +297,6 @@ def _sync(device):
 def make_step(model, mode: str):
     """A function that takes one decode step: "eager" (Python, one kernel launch per operation) or
     "graph" (torch.compile, then the whole step, collectives included, captured in one CUDA/HIP graph)."""
-
     if mode == "eager":
         return model.decode_step
     if mode != "graph":
@@ -324,7 +323,6 @@ def make_step(model, mode: str):
 def teacher_forced_logits(model, step, tokens: list[int]):
     """Logits [len(tokens), vocab] (float32, on the CPU) of feeding `tokens` one step at a time from
     position 0: the same as one forward pass over the whole sequence."""
-
     model.reset(0)
     out = []
     for t in tokens:
@@ -406,7 +404,6 @@ def _is_kernel(event) -> bool:
 
 def hf_reference_logits(model, tokens: list[int]):
     """Logits [len(tokens), vocab] (float32, CPU) of one forward pass of a transformers model."""
-
     ids = torch.tensor([tokens], device=model.device)
     with torch.no_grad():
         return model(ids).logits[0].float().cpu()
@@ -430,7 +427,8 @@ def hf_collectives_per_token(model, tokens: list[int]) -> dict:
 
 
 def free(device):
-
+    """Let go of what a measurement left: compiled code (it holds the model), then cached GPU memory."""
+    torch._dynamo.reset()
     gc.collect()
     if getattr(device, "type", device) == "cuda":
         torch.cuda.empty_cache()
@@ -449,7 +447,6 @@ def _record(fn):
 def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, modes, out: Path | None,
              profile_tokens: int = 4) -> dict:
     """The hand-written split on this rank: logits of `tokens` for each mode (saved), tokens/s, profile."""
-
     results = {}
     model = TPLlama(model_dir, rank=rank, world=world, group=group, device=device, dtype=dtype,
                     max_len=max_len_for(tokens, decode, profile_tokens))

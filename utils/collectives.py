@@ -121,11 +121,11 @@ def measure(collective: str, nbytes: int, *, iters: int, warmup: int, device) ->
             "busbw_gbps": busbw_gbps(collective, size, t, n), "wrong": int(wrong.item())}
 
 
-def init(backend: str | None = None, timeout_s: float = 1800.0):
+def init(backend: str | None = None, timeout_s: float = 600.0):
     """Join the process group torchrun set up (NCCL/RCCL on GPUs, gloo on CPUs); returns the device.
 
     The group's timeout is long on purpose: a rank may wait in a collective while its peer still compiles
-    (torch.compile of an 8B model takes a minute or more); a real hang is ended by the launcher's limit."""
+    (torch.compile of an 8B model takes a minute or more); the launcher's own limit ends a hang sooner."""
     import datetime
 
     import torch

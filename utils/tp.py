@@ -451,23 +451,22 @@ def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, mo
     model = TPLlama(model_dir, rank=rank, world=world, group=group, device=device, dtype=dtype,
                     max_len=max_len_for(tokens, decode, profile_tokens))
     for mode in modes:
-        entry = {}
+        entry = results[mode] = {}
         try:
             step = make_step(model, mode)
-        except Exception as exc:  # noqa: BLE001 - reported, the other modes still run
+            logits = teacher_forced_logits(model, step, tokens)
+            if out is not None:
+                torch.save(logits, out / f"hand-{mode}-rank{rank}.pt")
+            entry["tokens_per_s"] = tokens_per_s(model, step, decode, start=len(tokens))
+            model.reset(len(tokens))
+            try:
+                entry["profile"] = profile_split(step, profile_tokens, device)
+            except Exception as exc:  # noqa: BLE001 - the speed stands without the profile
+                entry["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - reported (a graph this stack cannot capture); the rest runs
             results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
-        logits = teacher_forced_logits(model, step, tokens)
-        if out is not None:
-            torch.save(logits, out / f"hand-{mode}-rank{rank}.pt")
-        entry["tokens_per_s"] = tokens_per_s(model, step, decode, start=len(tokens))
-        model.reset(len(tokens))
-        try:
-            entry["profile"] = profile_split(step, profile_tokens, device)
-        except Exception as exc:  # noqa: BLE001
-            entry["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
-        results[mode] = entry
-        del step
+            print(f"rank {rank}: by hand, {mode}: {results[mode]['error']}", flush=True)
+        step = None
         free(device)
     del model
     free(device)

@@ -1,5 +1,6 @@
-"""Lab 03 (BF16 matmul): `triton_matmul` right on every layout, dtype and precision, clear errors for what it
-does not take, and the graders of exercises 3.1-3.5 (reference, alternative and known-wrong answers).
+"""Lab 03 (BF16 matmul): `triton_matmul` and `persistent_matmul` right on every layout, dtype and precision,
+clear errors for what they do not take, and the graders of exercises 3.1-3.5 (reference, alternative and
+known-wrong answers).
 
 Without a GPU the kernels run in Triton's interpreter on a seeded covering grid (sizes 1, 17, 97; each layout
 once; each dtype once); the full grid is behind `@pytest.mark.gpu` (`make test-gpu`)."""
@@ -65,14 +66,14 @@ def operand(rows, cols, layout, dtype, gen):
     return base(rows, cols)
 
 
-def run_case(lab, m, n, k, a_layout, b_layout, dtype, precision, seed):
+def run_case(lab, m, n, k, a_layout, b_layout, dtype, precision, seed, matmul="triton_matmul"):
     gen = torch.Generator().manual_seed(seed)
     a, b = operand(m, k, a_layout, dtype, gen), operand(k, n, b_layout, dtype, gen)
     for t, layout in ((a, a_layout), (b, b_layout)):
         assert layout != "expanded" or t.stride(0) == 0
         assert layout != "sliced" or (t.stride(0) == 2 * t.stride(1) * (t.shape[1] + 7) and t.storage_offset() > 0)
         assert layout != "transposed" or t.stride(0) == 1 or t.shape[0] == 1
-    c = lab.triton_matmul(a, b, input_precision=precision)
+    c = getattr(lab, matmul)(a, b, input_precision=precision)
     assert c.shape == (m, n) and c.dtype == dtype and c.is_contiguous()
     ref = a.double() @ b.double()
     err = ((c.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -96,6 +97,41 @@ COVERING = [
 @pytest.mark.parametrize("case", COVERING, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{c[4]}-{str(c[5])[6:]}-{c[6]}")
 def test_covering_grid(lab, case):
     run_case(lab, *case, seed=sum(case[:3]))
+
+
+@pytest.mark.parametrize("case", COVERING[:4], ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{c[4]}-{str(c[5])[6:]}-{c[6]}")
+def test_covering_grid_persistent(lab, case):
+    run_case(lab, *case, seed=sum(case[:3]) + 1, matmul="persistent_matmul")
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's run of the TMA kernel; on a GPU the full grid covers it")
+@pytest.mark.parametrize("m, n, k, a_t, b_t, split", [(100, 72, 96, False, False, False), (64, 132, 36, True, False, True),
+                                                      (17, 64, 40, False, True, True), (4, 8, 16, True, True, False)])
+def test_tma_kernel_in_the_interpreter(lab, m, n, k, a_t, b_t, split):
+    """The TMA kernel's tile walk, transposes and split epilogue, on FP32 descriptors (ragged edges: zero fill)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(k, m, generator=gen).T if a_t else torch.randn(m, k, generator=gen)
+    b = torch.randn(n, k, generator=gen).T if b_t else torch.randn(k, n, generator=gen)
+    c = torch.full((m, n), float("nan"))
+    (av, at), (bv, bt) = lab.tma_view(a), lab.tma_view(b)
+    assert (at, bt) == (a_t, b_t)
+    bm, bn, bk = 32, 32, 16
+    descs = (TensorDescriptor.from_tensor(av, [bk, bm] if at else [bm, bk]),
+             TensorDescriptor.from_tensor(bv, [bn, bk] if bt else [bk, bn]),
+             TensorDescriptor.from_tensor(c, [bm, bn // 2 if split else bn]))
+    lab.tma_matmul_kernel[(3,)](*descs, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=2, PROGRAMS=3,
+                                A_T=at, B_T=bt, SPLIT_EPILOGUE=split)
+    torch.testing.assert_close(c, a @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_tma_view_takes_only_what_tma_can_read(lab):
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    assert lab.tma_view(x)[1] is False and lab.tma_view(x.T)[1] is True
+    assert lab.tma_view(x[:, 1:]) is None                       # base 2 bytes off 16-byte alignment
+    assert lab.tma_view(torch.randn(64, 100, dtype=torch.bfloat16)) is None   # rows of 200 bytes
+    assert lab.tma_view(x[:1].expand(64, 512)) is None          # stride 0
 
 
 def test_fp32_default_follows_torch_and_tf32_is_visible(lab):
@@ -153,10 +189,14 @@ def test_bad_precision_and_cpu_tensors_when_compiled(lab, monkeypatch):
         lab.triton_matmul(torch.randn(4, 4), torch.randn(4, 4))
 
 
-def test_empty_shapes(lab):
-    assert lab.triton_matmul(torch.randn(0, 5, device=DEVICE), torch.randn(5, 3, device=DEVICE)).shape == (0, 3)
-    zeros = lab.triton_matmul(torch.randn(4, 0, device=DEVICE), torch.randn(0, 3, device=DEVICE))
+@pytest.mark.parametrize("matmul", ["triton_matmul", "persistent_matmul"])
+def test_empty_shapes(lab, matmul):
+    fn = getattr(lab, matmul)
+    assert fn(torch.randn(0, 5, device=DEVICE), torch.randn(5, 3, device=DEVICE)).shape == (0, 3)
+    zeros = fn(torch.randn(4, 0, device=DEVICE), torch.randn(0, 3, device=DEVICE))
     assert zeros.shape == (4, 3) and not zeros.any()
+    with pytest.raises(ValueError, match="a's columns must equal b's rows"):
+        fn(torch.randn(3, 4, device=DEVICE), torch.randn(5, 6, device=DEVICE))
 
 
 @pytest.mark.gpu
@@ -169,12 +209,13 @@ def test_full_grid_on_gpu(lab):
     if lab.has_tf32(torch.device("cuda")):
         precisions.append((torch.float32, "tf32"))
     failures, count = [], 0
-    for (m, n, k), la, lb, (dtype, p) in itertools.product(sizes, layouts, layouts, precisions):
-        count += 1
-        try:
-            run_case(lab, m, n, k, la, lb, dtype, p, seed=count)
-        except AssertionError as err:
-            failures.append(str(err))
+    for matmul in ("triton_matmul", "persistent_matmul"):
+        for (m, n, k), la, lb, (dtype, p) in itertools.product(sizes, layouts, layouts, precisions):
+            count += 1
+            try:
+                run_case(lab, m, n, k, la, lb, dtype, p, seed=count, matmul=matmul)
+            except AssertionError as err:
+                failures.append(f"{matmul}: {err}")
     print(f"full grid: {count - len(failures)} of {count} cases pass")
     assert not failures, failures[:10]
 

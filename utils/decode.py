@@ -283,17 +283,27 @@ def default_tolerance(dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def compare_with_generate(model, decoder: LeanDecoder, input_ids: torch.Tensor, steps: int) -> Agreement:
-    """Greedy tokens of ``decoder`` (compiled or not) against ``model.generate`` for ``steps`` new
-    tokens (end-of-sequence ignored by both), and the decoder's eager logits against generate's."""
-    ref = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+def reference(model, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' greedy ``generate`` for ``steps`` new tokens, end-of-sequence ignored: the
+    sequence (1, T + steps) and the FP32 logits (steps, vocab) that chose each new token."""
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=steps, eos_token_id=None, pad_token_id=_pad_id(model),
                          output_logits=True, return_dict_in_generate=True)
+    if out.sequences.shape[1] != input_ids.shape[1] + steps:
+        raise RuntimeError(f"generate returned {out.sequences.shape[1] - input_ids.shape[1]} tokens, not {steps}")
+    return out.sequences, torch.cat([step.float() for step in out.logits])
+
+
+@torch.no_grad()
+def compare_with_generate(model, decoder: LeanDecoder, input_ids: torch.Tensor, steps: int,
+                          ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Agreement:
+    """Greedy tokens of ``decoder`` (compiled or not) against ``model.generate`` for ``steps`` new
+    tokens (end-of-sequence ignored by both), and the decoder's eager logits against generate's,
+    step by step along generate's tokens. ``ref``: a ``reference(model, input_ids, steps)`` to reuse."""
+    ref_ids, ref_logits = ref if ref is not None else reference(model, input_ids, steps)
     t = input_ids.shape[1]
-    ref_ids = ref.sequences
-    if ref_ids.shape[1] != t + steps:
-        raise RuntimeError(f"generate returned {ref_ids.shape[1] - t} tokens, not {steps}")
-    ref_logits = torch.cat([step.float() for step in ref.logits])                   # (steps, vocab)
+    if ref_ids.shape[1] != t + steps or not torch.equal(ref_ids[:, :t], input_ids):
+        raise ValueError("ref is not a reference for this prompt and number of steps")
     ours = decoder.generate(input_ids, steps)[0, t:]
     expected = ref_ids[0, t:]
     differ = (ours != expected).nonzero()
@@ -403,9 +413,9 @@ def _profiled(run, device) -> tuple[list, list, float]:
     return [(e.name, e.time_range.start, e.time_range.end) for e in kernels], marks, wall
 
 
-def _summary(kernels: list, tokens: int, unit: str) -> dict:
-    """Per-token averages of ``kernels`` (name, start µs, end µs): count, busy time (the union of
-    their intervals), time by family (``kernel_kind``) and the top kernels."""
+def _totals(kernels: list) -> dict:
+    """Totals of ``kernels`` (name, start µs, end µs): count, busy µs (the union of their
+    intervals), µs by family (``kernel_kind``) and by name (calls, µs)."""
     busy, end = 0.0, float("-inf")
     for _, s, e in sorted(kernels, key=lambda k: k[1]):
         if e > end:
@@ -416,21 +426,36 @@ def _summary(kernels: list, tokens: int, unit: str) -> dict:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + e - s
         calls, total = by_name.get(name, (0, 0.0))
         by_name[name] = (calls + 1, total + e - s)
+    return dict(count=len(kernels), busy=busy, by_kind=by_kind, by_name=by_name)
+
+
+def _per_token(totals: dict, base: dict | None, tokens: int, unit: str) -> dict:
+    """Per-token figures of ``totals`` minus ``base`` (a run that differs by ``tokens`` tokens)."""
+    base = base or dict(count=0, busy=0.0, by_kind={}, by_name={})
+    by_kind = {k: (v - base["by_kind"].get(k, 0.0)) / 1e3 / tokens for k, v in totals["by_kind"].items()}
+    by_name = {n: ((c - base["by_name"].get(n, (0, 0.0))[0]) / tokens,
+                   (us - base["by_name"].get(n, (0, 0.0))[1]) / 1e3 / tokens) for n, (c, us) in totals["by_name"].items()}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
-    return dict(
-        tokens=tokens, unit=unit, launches_per_token=len(kernels) / tokens, busy_ms_per_token=busy / 1e3 / tokens,
-        ms_per_token_by_kind={k: v / 1e3 / tokens for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        top=[dict(name=n[:120], calls_per_token=c / tokens, ms_per_token=us / 1e3 / tokens) for n, (c, us) in top])
+    return dict(unit=unit, launches_per_token=(totals["count"] - base["count"]) / tokens,
+                busy_ms_per_token=(totals["busy"] - base["busy"]) / 1e3 / tokens,
+                ms_per_token_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+                top=[dict(name=n[:120], calls_per_token=c, ms_per_token=ms) for n, (c, ms) in top])
 
 
-def profile_tokens(run, tokens: int, device) -> dict:
-    """Profile one call of ``run()`` that generates ``tokens`` tokens (its prefill included) and
-    return per-token averages: on a GPU of the kernels (count, busy time = the union of their
-    intervals, time by family, the top kernels), on a CPU of the top-level PyTorch operators."""
+def profile_tokens(generate, new_tokens: int, device) -> dict:
+    """Where one decode step's time goes: profile ``generate(new_tokens)`` and ``generate(1)``
+    (any callable that generates that many tokens after a prompt) and divide the difference by
+    ``new_tokens - 1``, so that the prefill cancels out as in ``tokens_per_s``. On a GPU it counts
+    kernels (launches, busy time = the union of their intervals, time by family, the top kernels),
+    on a CPU the top-level PyTorch operators. Run it after a warm-up (compiles, graph capture)."""
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens!r} must be a whole number >= 2")
     device = torch.device(device)
-    kernels, _, wall = _profiled(run, device)
-    out = _summary(kernels, tokens, "kernels" if device.type == "cuda" else "operators")
-    out["profiled_ms_per_token"] = wall * 1e3 / tokens
+    unit = "kernels" if device.type == "cuda" else "operators"
+    many, _, wall_many = _profiled(lambda: generate(new_tokens), device)
+    one, _, wall_one = _profiled(lambda: generate(1), device)
+    out = _per_token(_totals(many), _totals(one), new_tokens - 1, unit)
+    out["profiled_ms_per_token"] = (wall_many - wall_one) * 1e3 / (new_tokens - 1)
     return out
 
 
@@ -518,7 +543,7 @@ def serve_step_breakdown(model, prompt_ids: torch.Tensor, new_tokens: int, cb_co
     profile = None
     if len(step_marks) == len(steps) + 1:
         lo, hi = step_marks[1], step_marks[-1]
-        profile = _summary([k for k in kernels if lo <= k[1] < hi], n,
-                           "kernels" if device.type == "cuda" else "operators")
+        profile = _per_token(_totals([k for k in kernels if lo <= k[1] < hi]), None, n,
+                             "kernels" if device.type == "cuda" else "operators")
     return dict(transformers=transformers.__version__, steps=len(steps), step_ms=period * 1e3,
                 phases_ms=per_step, profile=profile)

@@ -193,8 +193,8 @@ def test_profile_counts_fewer_operators_per_token_than_eager_generate():
     assert lean["unit"] == "operators" and 30 < lean["launches_per_token"] < hf["launches_per_token"]
     assert lean["launches_per_token"] == int(lean["launches_per_token"])      # counts, not timings: exact
     assert {"matmul (vendor library)", "attention"} <= set(lean["ms_per_token_by_kind"])
-    table = decode.time_table({"generate": (None, hf), "lean": (100.0, lean)})
-    assert table.count("\n") == 3 and "| lean | 10.00 |" in table
+    table = decode.time_table({"generate": hf, "lean": lean}, {"lean": 100.0})
+    assert table.count("\n") == 3 and "| lean | 10.00 |" in table and "| generate | – |" in table
     with pytest.raises(ValueError, match="new_tokens"):
         decode.profile_tokens(lambda n: None, 1, "cpu")
 
@@ -217,3 +217,6 @@ def test_serve_step_breakdown_on_cpu():
     assert set(phases) >= {"prepare_next_batch", "_generation_step", "update_batch"}
     assert sum(phases.values()) == pytest.approx(out["step_ms"])
     assert phases["_generation_step"] > 0
+    assert out["profile"] is None                                     # CPU: the engine's thread is not profiled
+    with pytest.raises(ValueError, match="new_tokens"):
+        decode.serve_step_breakdown(model, prompt(5), 3)

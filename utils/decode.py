@@ -13,6 +13,7 @@ one token's time goes (kernels, launch gaps) for any ``generate``-like function.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -388,10 +389,9 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def _profiled(run, device) -> tuple[list, list, float]:
-    """Run ``run()`` under torch.profiler: (kernels, marks, wall seconds). Kernels are (name, start
-    µs, end µs): GPU kernels and copies on a GPU, top-level PyTorch operators on a CPU; marks are
-    the ``record_function`` ranges named ``"step:..."`` (any thread)."""
+def _profiled(run, device) -> tuple[list, float]:
+    """Run ``run()`` under torch.profiler: (kernels, wall seconds). Kernels are (name, start µs,
+    end µs): GPU kernels and copies on a GPU, top-level PyTorch operators on a CPU."""
     gpu = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
     sync = _sync(device)
@@ -409,8 +409,7 @@ def _profiled(run, device) -> tuple[list, list, float]:
     else:
         kernels = [e for e in events if e.name.startswith("aten::")
                    and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    marks = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name.startswith("step:")]
-    return [(e.name, e.time_range.start, e.time_range.end) for e in kernels], marks, wall
+    return [(e.name, e.time_range.start, e.time_range.end) for e in kernels], wall
 
 
 def _totals(kernels: list) -> dict:
@@ -452,28 +451,34 @@ def profile_tokens(generate, new_tokens: int, device) -> dict:
         raise ValueError(f"new_tokens={new_tokens!r} must be a whole number >= 2")
     device = torch.device(device)
     unit = "kernels" if device.type == "cuda" else "operators"
-    many, _, wall_many = _profiled(lambda: generate(new_tokens), device)
-    one, _, wall_one = _profiled(lambda: generate(1), device)
+    if device.type == "cuda":
+        # what torch.compile sets for CUDA graphs: without it, profiling again after graphs were
+        # used can crash CUPTI's re-initialisation
+        os.environ.setdefault("TEARDOWN_CUPTI", "0")
+        os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
+    many, wall_many = _profiled(lambda: generate(new_tokens), device)
+    one, wall_one = _profiled(lambda: generate(1), device)
     out = _per_token(_totals(many), _totals(one), new_tokens - 1, unit)
     out["profiled_ms_per_token"] = (wall_many - wall_one) * 1e3 / (new_tokens - 1)
     return out
 
 
-def time_table(rows: dict[str, tuple[float | None, dict]]) -> str:
-    """A Markdown table of where one token's time goes: ``rows`` maps a label to (measured
-    tokens/s or None, ``profile_tokens`` result). Idle = the measured step minus the busy time:
-    launch gaps and host work the device waits for."""
+def time_table(profiles: dict[str, dict], rates: dict[str, float] | None = None) -> str:
+    """A Markdown table of where one decode step's time goes, a row per ``profile_tokens`` result
+    in ``profiles`` (label: result); ``rates`` (label: tokens/s timed without the profiler) add a
+    column. Idle = the profiled step minus the busy time: launch gaps and host work that the
+    device (on a CPU: the operators) waits for."""
+    rates = rates or {}
     kinds = []
-    for _, prof in rows.values():
+    for prof in profiles.values():
         kinds += [k for k in prof["ms_per_token_by_kind"] if k not in kinds]
-    unit = next(iter(rows.values()))[1]["unit"] if rows else "kernels"
-    head = (["", "ms/token (measured)", "busy ms", "idle ms", f"{unit}/token"] + [f"{k} ms" for k in kinds])
+    unit = next(iter(profiles.values()))["unit"] if profiles else "kernels"
+    head = ["", "ms/token timed", "ms/token profiled", "busy ms", "idle ms", f"{unit}/token"] + [f"{k} ms" for k in kinds]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, (rate, prof) in rows.items():
-        step = 1e3 / rate if rate else None
-        busy = prof["busy_ms_per_token"]
-        cells = [label, f"{step:.2f}" if step else "–", f"{busy:.2f}",
-                 f"{step - busy:.2f}" if step else "–", f"{prof['launches_per_token']:.0f}"]
+    for label, prof in profiles.items():
+        rate, step, busy = rates.get(label), prof["profiled_ms_per_token"], prof["busy_ms_per_token"]
+        cells = [label, f"{1e3 / rate:.2f}" if rate else "–", f"{step:.2f}", f"{busy:.2f}", f"{step - busy:.2f}",
+                 f"{prof['launches_per_token']:.0f}"]
         cells += [f"{prof['ms_per_token_by_kind'].get(k, 0.0):.2f}" for k in kinds]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -481,14 +486,17 @@ def time_table(rows: dict[str, tuple[float | None, dict]]) -> str:
 
 def serve_step_breakdown(model, prompt_ids: torch.Tensor, new_tokens: int, cb_config=None) -> dict:
     """Where a continuous-batching decode step of transformers goes at concurrency 1 (the engine
-    behind ``transformers serve --continuous-batching``): ``model.generate_batch`` on one request,
-    with the batch processor's three phases timed on the host (scheduling and building the batch's
-    tensors, the generation step, updating the requests) and the kernels profiled. Returns
-    per-step milliseconds (decode steps only; the first step, the prefill, is left out).
+    behind ``transformers serve --continuous-batching``): ``model.generate_batch`` on one request.
+    The batch processor's three phases are timed on the host in every step (scheduling and
+    building the batch's tensors, the generation step, updating the requests); on a GPU the
+    kernels of one step are profiled as in ``profile_tokens``. Returns milliseconds per decode step
+    (the prefill step left out), and the profile (None on a CPU: the profiler does not see the
+    operators of the engine's own thread there).
 
     The phases are methods of transformers' internal ``ContinuousBatchProcessor``
     (``prepare_next_batch``, ``_generation_step``, ``update_batch``; the same in 5.17 and 5.23): a
-    version without them raises ``RuntimeError``.
+    version without them raises ``RuntimeError``. The model is left with the attention
+    implementation continuous batching switched it to.
     """
     import functools
 
@@ -496,36 +504,40 @@ def serve_step_breakdown(model, prompt_ids: torch.Tensor, new_tokens: int, cb_co
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching import continuous_api
 
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 4:
+        raise ValueError(f"new_tokens={new_tokens!r} must be a whole number >= 4")
     proc = continuous_api.ContinuousBatchProcessor
     phases = ("prepare_next_batch", "_generation_step", "update_batch")
     missing = [p for p in phases if not callable(getattr(proc, p, None))]
     if missing:
         raise RuntimeError(f"transformers {transformers.__version__}: ContinuousBatchProcessor has no "
                            f"{', '.join(missing)}; this breakdown knows 5.17-5.23")
-    calls: list[tuple[str, float, float, object]] = []
+    calls: list[tuple[str, float, float]] = []
 
     def timed(name, fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
             start = time.perf_counter()
-            with torch.profiler.record_function(f"step:{name}"):
-                result = fn(self, *args, **kwargs)
-            calls.append((name, start, time.perf_counter(), result))
-            return result
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                calls.append((name, start, time.perf_counter()))
         return wrapper
 
-    originals = {p: proc.__dict__[p] for p in phases}
-    gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=_pad_id(model))
-    device = prompt_ids.device
-    try:
-        for p in phases:
-            setattr(proc, p, timed(p, originals[p]))
+    def run(n: int):
+        gen = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=_pad_id(model))
         kwargs = dict(generation_config=gen, progress_bar=False)
         if cb_config is not None:
             kwargs["continuous_batching_config"] = cb_config
-        model.generate_batch([prompt_ids[0].tolist()], **kwargs)            # warm-up (graphs, compiles)
-        calls.clear()
-        kernels, marks, _ = _profiled(lambda: model.generate_batch([prompt_ids[0].tolist()], **kwargs), device)
+        return model.generate_batch([prompt_ids[0].tolist()], **kwargs)
+
+    device = prompt_ids.device
+    originals = {p: proc.__dict__[p] for p in phases}
+    run(new_tokens)                                                          # warm-up: graphs, compiles
+    try:
+        for p in phases:
+            setattr(proc, p, timed(p, originals[p]))
+        run(new_tokens)
     finally:
         for p in phases:
             setattr(proc, p, originals[p])
@@ -538,12 +550,6 @@ def serve_step_breakdown(model, prompt_ids: torch.Tensor, new_tokens: int, cb_co
     window = [c for c in calls if first <= c[1] < last]
     per_step = {p: sum(c[2] - c[1] for c in window if c[0] == p) * 1e3 / n for p in phases}
     per_step["outside the three phases"] = period * 1e3 - sum(per_step.values())
-    # the same window in the profiler's clock: from the 2nd to the last "_generation_step" mark
-    step_marks = sorted(m[1] for m in marks if m[0] == "step:_generation_step")
-    profile = None
-    if len(step_marks) == len(steps) + 1:
-        lo, hi = step_marks[1], step_marks[-1]
-        profile = _per_token(_totals([k for k in kernels if lo <= k[1] < hi]), None, n,
-                             "kernels" if device.type == "cuda" else "operators")
+    profile = profile_tokens(run, new_tokens, device) if device.type == "cuda" else None
     return dict(transformers=transformers.__version__, steps=len(steps), step_ms=period * 1e3,
                 phases_ms=per_step, profile=profile)

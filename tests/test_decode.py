@@ -53,9 +53,7 @@ def test_greedy_tokens_and_logits_match_generate(name):
 def test_bf16_logits_within_tolerance_and_any_difference_is_a_near_tie():
     model = llama(dtype=torch.bfloat16, seed=2)
     agreement = decode.compare_with_generate(model, LeanDecoder.from_hf(model, 40), prompt(9), 24)
-    assert agreement.logit_error < decode.default_tolerance(torch.bfloat16), agreement
-    if not agreement.all_identical:
-        assert agreement.margin < 0.05, agreement
+    assert agreement.ok(decode.default_tolerance(torch.bfloat16)), agreement
 
 
 def test_the_cache_is_reused_across_calls_and_prompts():
@@ -94,34 +92,36 @@ def test_smollm2_tokens_and_logits_match_generate():
 
 # -- the checks can fail ---------------------------------------------------------------------------
 def test_a_wrong_rope_theta_is_detected():
-    model = llama()
-    wrong = LeanDecoder.from_hf(llama(rope_theta=10000.0), 32)      # same weights, another RoPE base
-    agreement = decode.compare_with_generate(model, wrong, prompt(), 20)
+    model = llama(num_hidden_layers=2)
+    wrong = LeanDecoder.from_hf(llama(num_hidden_layers=2, rope_theta=10000.0), 16)   # same weights, other base
+    agreement = decode.compare_with_generate(model, wrong, prompt(), 8)
     assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
-    assert not agreement.all_identical
 
 
 def test_a_wrong_kv_head_mapping_is_detected():
-    model = llama()
-    dec = LeanDecoder.from_hf(model, 32, fuse=False)
+    model = llama(num_hidden_layers=2)
+    dec = LeanDecoder.from_hf(model, 16, fuse=False)
     for layer in dec.layers:                                          # swap KV heads 0 and 1 of the keys
         layer.wk = torch.cat([layer.wk[12:24], layer.wk[:12]])
-    agreement = decode.compare_with_generate(model, dec, prompt(), 20)
+    agreement = decode.compare_with_generate(model, dec, prompt(), 8)
     assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
 
 
-def test_a_cache_that_is_not_written_is_detected(monkeypatch):
-    model = llama()
-    dec = LeanDecoder.from_hf(model, 32)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, dim, index, source: self)
-    agreement = decode.compare_with_generate(model, dec, prompt(), 20)
+def test_a_mask_that_ignores_positions_is_detected():
+    model = llama(num_hidden_layers=2)
+    dec = LeanDecoder.from_hf(model, 16)
+    dec.positions.zero_()                                             # every cache slot looks visible
+    agreement = decode.compare_with_generate(model, dec, prompt(), 8)
     assert agreement.logit_error > 100 * decode.default_tolerance(torch.float32), agreement
 
 
-def test_agreement_reports_the_first_difference_and_its_margin():
-    a = decode.Agreement(steps=8, identical=3, logit_error=2e-3, margin=0.01)
+def test_agreement_accepts_identical_tokens_or_a_near_tie_only():
+    a = decode.Agreement(steps=8, identical=3, logit_error=2e-3, margin=0.01, scale=5.0)
     assert not a.all_identical and "3/8" in str(a) and "step 3" in str(a)
-    assert decode.Agreement(4, 4, 1e-6, None).all_identical
+    assert a.ok(3e-2) and not a.ok(1e-3)                          # 0.01 < 3e-2 * 5; logits 2e-3 > 1e-3
+    assert not decode.Agreement(8, 3, 2e-3, margin=0.5, scale=5.0).ok(3e-2)       # a clear difference
+    assert decode.Agreement(4, 4, 1e-6, None).ok(1e-4) and not decode.Agreement(4, 4, 1e-3, None).ok(1e-4)
+    assert not decode.Agreement(4, 4, float("nan"), None).ok(1e-4)
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -186,9 +186,9 @@ def test_profile_counts_fewer_operators_per_token_than_eager_generate():
     model = llama()
     dec = LeanDecoder.from_hf(model, 32)
     ids = prompt()
-    lean = decode.profile_tokens(lambda n: dec.generate(ids, n), 6, "cpu")
+    lean = decode.profile_tokens(lambda n: dec.generate(ids, n), 4, "cpu")
     hf = decode.profile_tokens(lambda n: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                        max_new_tokens=n, eos_token_id=None, pad_token_id=0), 6, "cpu")
+                                                        max_new_tokens=n, eos_token_id=None, pad_token_id=0), 4, "cpu")
     # one decode step: 3 layers of ~20 operators, with the prefill removed
     assert lean["unit"] == "operators" and 30 < lean["launches_per_token"] < hf["launches_per_token"]
     assert lean["launches_per_token"] == int(lean["launches_per_token"])      # counts, not timings: exact
@@ -210,13 +210,13 @@ def test_serve_step_breakdown_on_cpu():
     from transformers import ContinuousBatchingConfig
 
     model = llama(num_hidden_layers=1)
-    out = decode.serve_step_breakdown(model, prompt(5), 8, ContinuousBatchingConfig(
-        block_size=32, num_blocks=8, max_batch_tokens=64))
+    out = decode.serve_step_breakdown(model, prompt(5), 8, ContinuousBatchingConfig(num_blocks=4, max_batch_tokens=64))
     assert out["steps"] >= 4 and out["step_ms"] > 0
     phases = out["phases_ms"]
     assert set(phases) >= {"prepare_next_batch", "_generation_step", "update_batch"}
     assert sum(phases.values()) == pytest.approx(out["step_ms"])
     assert phases["_generation_step"] > 0
     assert out["profile"] is None                                     # CPU: the engine's thread is not profiled
+    assert model.config._attn_implementation == "sdpa"                # switched back from the paged one
     with pytest.raises(ValueError, match="new_tokens"):
         decode.serve_step_breakdown(model, prompt(5), 3)

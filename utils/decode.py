@@ -265,10 +265,18 @@ class Agreement:
     logit_error: float           # max |Δ logit| / max |logit|, teacher-forced along generate's tokens
     margin: float | None         # at the first differing token: generate's logit of its token minus
                                  # its logit of the decoder's token (small = a near-tie), else None
+    scale: float = 1.0           # max |logit| of generate's logits: what logit_error is relative to
 
     @property
     def all_identical(self) -> bool:
         return self.identical == self.steps
+
+    def ok(self, tolerance: float) -> bool:
+        """Logits within ``tolerance`` (relative) and tokens identical, or diverging only at a
+        near-tie: where generate's two candidates are closer than the logits' own tolerance."""
+        if not self.logit_error <= tolerance:
+            return False
+        return self.all_identical or self.margin <= tolerance * self.scale
 
     def __str__(self) -> str:
         text = f"{self.identical}/{self.steps} tokens identical to generate, logits within {self.logit_error:.1e}"
@@ -310,12 +318,13 @@ def compare_with_generate(model, decoder: LeanDecoder, input_ids: torch.Tensor, 
     differ = (ours != expected).nonzero()
     identical = int(differ[0, 0]) if len(differ) else steps
     logits = decoder.teacher_forced_logits(ref_ids, t)
-    error = float((logits - ref_logits).abs().max() / ref_logits.abs().max().clamp_min(1e-30))
+    scale = float(ref_logits.abs().max().clamp_min(1e-30))
+    error = float((logits - ref_logits).abs().max()) / scale
     margin = None
     if identical < steps:
         row = ref_logits[identical]
         margin = float(row[expected[identical]] - row[ours[identical]])
-    return Agreement(steps, identical, error, margin)
+    return Agreement(steps, identical, error, margin, scale)
 
 
 def _pad_id(model) -> int:
@@ -495,8 +504,8 @@ def serve_step_breakdown(model, prompt_ids: torch.Tensor, new_tokens: int, cb_co
 
     The phases are methods of transformers' internal ``ContinuousBatchProcessor``
     (``prepare_next_batch``, ``_generation_step``, ``update_batch``; the same in 5.17 and 5.23): a
-    version without them raises ``RuntimeError``. The model is left with the attention
-    implementation continuous batching switched it to.
+    version without them raises ``RuntimeError``. (Continuous batching switches the model to a
+    paged attention implementation and back when it stops.)
     """
     import functools
 

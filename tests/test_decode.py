@@ -158,12 +158,23 @@ def test_bad_generate_arguments_are_refused():
 
 
 # -- timing and profiling (CPU) ------------------------------------------------------------------
-def test_tokens_per_s_and_the_skip_reason_on_cpu():
-    dec = LeanDecoder.from_hf(llama(num_hidden_layers=1), 16)
-    rate = decode.tokens_per_s(dec, prompt(4), 6, warmup=0)
-    assert math.isfinite(rate) and rate > 0
+def test_tokens_per_s_removes_the_prefill(monkeypatch):
+    clock = [0.0]
+
+    class Decoder:                                  # 0.5 s of prefill, then 10 ms per token
+        def generate(self, ids, n):
+            clock[0] += 0.5 + 0.01 * (n - 1)
+
+    monkeypatch.setattr(decode, "_clock", lambda: clock[0])
+    assert decode.tokens_per_s(Decoder(), prompt(4), 11) == pytest.approx(100.0)
+    assert decode.tokens_per_s(Decoder(), prompt(4), 11) != pytest.approx(10 / (0.5 + 0.1))   # not prefill-included
     with pytest.raises(ValueError, match="new_tokens"):
-        decode.tokens_per_s(dec, prompt(4), 1)
+        decode.tokens_per_s(Decoder(), prompt(4), 1)
+
+
+def test_the_real_decoder_is_timed_and_the_compiled_step_skips_on_cpu():
+    dec = LeanDecoder.from_hf(llama(num_hidden_layers=1), 16)
+    assert isinstance(decode.tokens_per_s(dec, prompt(4), 6, warmup=0), float)
     assert "GPU" in decode.compile_skip_reason("cpu")
 
 

@@ -24,6 +24,7 @@ from torch import nn
 # RoPE variants whose tables depend on the sequence length reached so far (transformers rescales
 # them as the sequence grows): a fixed table cannot reproduce them.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+_clock = time.perf_counter                     # what tokens_per_s times with (a test replaces it)
 ATTENTION = ("sdpa", "grouped")
 
 
@@ -79,7 +80,7 @@ class _Layer(nn.Module):
         self.register_buffer("wo", w(attn.o_proj), persistent=False)
         self.register_buffer("w_down", w(mlp.down_proj), persistent=False)
         ref = attn.q_proj.weight
-        shape = (1, kv_heads, max_len, head_dim)
+        shape = (1, kv_heads, max_len, head_dim)       # max_len: the decoder's cache_len
         self.register_buffer("k_cache", torch.zeros(shape, dtype=ref.dtype, device=ref.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=ref.dtype, device=ref.device), persistent=False)
 
@@ -101,12 +102,15 @@ class LeanDecoder(nn.Module):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}; use one of {', '.join(map(repr, ATTENTION))}")
         self.max_len, self.fuse, self.attention = max_len, fuse, attention
+        # the cache rounded up to 16 positions: SDPA's memory-efficient kernel wants the mask's rows
+        # 16-aligned and would pad them in every layer otherwise; the extra positions stay masked
+        self.cache_len = -(-max_len // 16) * 16
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.layers = nn.ModuleList(
-            _Layer(layer, fuse=fuse, max_len=max_len, kv_heads=self.kv_heads, head_dim=self.head_dim)
+            _Layer(layer, fuse=fuse, max_len=self.cache_len, kv_heads=self.kv_heads, head_dim=self.head_dim)
             for layer in model.model.layers)
         self.register_buffer("embed", model.model.embed_tokens.weight.detach(), persistent=False)
         self.register_buffer("norm", model.model.norm.weight.detach(), persistent=False)
@@ -114,7 +118,7 @@ class LeanDecoder(nn.Module):
         cos, sin = _rope_tables(model, max_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.register_buffer("positions", torch.arange(max_len, device=cos.device), persistent=False)
+        self.register_buffer("positions", torch.arange(self.cache_len, device=cos.device), persistent=False)
         self._step_fn = self._step
         self.compiled = None
 
@@ -135,15 +139,24 @@ class LeanDecoder(nn.Module):
         return self.embed.device
 
     # -- the model --------------------------------------------------------------------------------
+    def _mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """The attention mask of queries at ``pos`` (T,) over the cache, built once per step for
+        every layer: 0 where a query may attend (cache position <= its own), -inf elsewhere. (A
+        boolean mask means the same to SDPA, which converts it to this in every layer.)"""
+        visible = self.positions[None, :] <= pos[:, None]                       # (T, L)
+        if self.attention == "grouped":
+            visible = visible.repeat(self.heads // self.kv_heads, 1)            # (group * T, L)
+        mask = torch.zeros(visible.shape, dtype=self.cos.dtype, device=visible.device)
+        return mask.masked_fill(~visible, float("-inf"))
+
     def _attend(self, q, k, v, mask):
-        """q (1, H, T, D) against the whole cache k, v (1, Hkv, L, D); mask (T, L), True = attend."""
+        """q (1, H, T, D) against the whole cache k, v (1, Hkv, L, D) under ``_mask``."""
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         # "grouped": query head h uses KV head h // group, so (H, T) regroups as (Hkv, group * T)
         _, heads, t, d = q.shape
-        group = heads // self.kv_heads
-        qg = q.reshape(1, self.kv_heads, group * t, d)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1))
+        out = F.scaled_dot_product_attention(q.reshape(1, self.kv_heads, heads // self.kv_heads * t, d), k, v,
+                                             attn_mask=mask)
         return out.reshape(1, heads, t, d)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -152,7 +165,7 @@ class LeanDecoder(nn.Module):
         t = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = self.positions[None, :] <= pos[:, None]                          # (T, L): causal over the cache
+        mask = self._mask(pos)
         nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for layer in self.layers:
             h = rms_norm(x, layer.attn_norm, self.eps)
@@ -349,10 +362,10 @@ def tokens_per_s(decoder: LeanDecoder, prompt_ids: torch.Tensor, new_tokens: int
 
     def run(n: int) -> float:
         sync()
-        start = time.perf_counter()
+        start = _clock()
         decoder.generate(prompt_ids, n)
         sync()
-        return time.perf_counter() - start
+        return _clock() - start
 
     for _ in range(warmup):
         run(new_tokens)

@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per timed run (default 256)")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     ap.add_argument("--check", type=int, default=32, help="steps compared with generate (default 32)")
-    ap.add_argument("--profile-tokens", type=int, default=9, help="tokens per profiled run (default 9)")
+    ap.add_argument("--profile-tokens", type=int, default=17, help="tokens per profiled run (default 17)")
     ap.add_argument("--skip", default="lean-eager", help=f"comma-separated phases to skip, of: {', '.join(PHASES)}")
     ap.add_argument("--smoke", action="store_true",
                     help="a dry run of this script's logic on the CPU: tiny model, compiles with backend='aot_eager'")
@@ -136,9 +136,10 @@ def main() -> int:
     ids = torch.randint(0, vocab, (1, args.prompt), generator=gen).to(dev)
     max_len = args.prompt + max(args.tokens, args.check, args.profile_tokens)
     pad = decode._pad_id(model)
-    kv_read = max_len * models.kv_bytes_per_token(model.config, 2)
+    cache_len = -(-max_len // 16) * 16                  # LeanDecoder pads its cache to 16 positions
+    kv_read = cache_len * models.kv_bytes_per_token(model.config, 2)
     result.update(max_len=max_len, kv_bytes_read_per_step=kv_read)
-    log(f"lean decoder: KV cache of {max_len} positions, {kv_read / 1e6:.1f} MB read per step by attention "
+    log(f"lean decoder: KV cache of {cache_len} positions, {kv_read / 1e6:.1f} MB read per step by attention "
         f"({kv_read / nbytes:.2%} of the weights)")
 
     def row(name, rate, **extra):

@@ -192,10 +192,11 @@ def main() -> int:
             compile_s = time.perf_counter() - start
             rate = decode.tokens_per_s(dec, ids, args.tokens, warmup=1)
             skips = counters["inductor"]["cudagraph_skips"]       # > 0: the step ran without a CUDA graph
+            graphs = counters["stats"]["unique_graphs"]           # 1: one compile served every step
             label = f"lean {name} ({mode}{', ' + ', '.join(inductor) if inductor else ''})"
             row(label, rate, compile_and_check_s=round(compile_s, 1), tokens=str(agree),
                 agrees=agree.ok(decode.default_tolerance(model.dtype)), identical=agree.identical,
-                logit_error=agree.logit_error, cudagraph_skips=skips)
+                logit_error=agree.logit_error, cudagraph_skips=skips, graphs=graphs)
             profile(label, lambda n: dec.generate(ids, n))
             del dec
 

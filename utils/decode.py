@@ -6,9 +6,13 @@ decodes greedily with a KV cache preallocated for ``max_len`` positions and upda
 decode step (embedding, every layer, the output layer and the argmax) is a single function of
 ``(token, position)`` with fixed shapes, so ``torch.compile(mode="reduce-overhead",
 fullgraph=True)`` captures it whole in one CUDA (HIP) graph: one launch per token, no Python per
-layer. Prefill runs the same code eagerly. ``tokens_per_s`` measures decode like
-``models.decode_tokens_per_s`` (the prompt's prefill removed), and ``profile_tokens`` shows where
-one token's time goes (kernels, launch gaps) for any ``generate``-like function.
+layer. Prefill runs the same code eagerly.
+
+``compare_with_generate`` checks its greedy tokens and logits against transformers' ``generate``;
+``tokens_per_s`` measures decode like ``models.decode_tokens_per_s`` (the prompt's prefill
+removed); ``profile_tokens`` and ``time_table`` show where one decode step's time goes (kernels,
+launch gaps) for any ``generate``-like function; ``serve_step_breakdown`` times the phases of a
+step of transformers' continuous batching, the engine of ``transformers serve``.
 """
 
 from __future__ import annotations

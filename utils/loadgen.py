@@ -18,7 +18,7 @@ Every streamed request keeps the time each chunk arrived and its text; ``request
 stream into the field's per-request figures (lab 05 exercise 5.4 writes it again):
 
 - TTFT, time to first token: from sending the request to the first chunk that carries a token;
-- E2E, end-to-end latency: from sending the request to the end of its stream;
+- E2E, end-to-end latency: from sending the request to the arrival of its last token;
 - TPOT, time per output token: (E2E - TTFT) / (output tokens - 1), the server's own token count;
 - ITL, inter-token latency: the gap before each token after the first; a chunk carrying k tokens after a
   gap g gives k values g / k (tokens per chunk counted by the model's tokenizer).
@@ -85,7 +85,7 @@ def random_prompts(tokenizer, count_tokens: Callable[[str], int], n: int, input_
 def request_metrics(start: float, chunks: Sequence[tuple[float, int]], end: float, output_tokens: int) -> dict:
     """TTFT, TPOT, per-token ITL and E2E (seconds) of one streamed request: ``start`` is when it was sent
     (or due), ``chunks`` the (arrival time, tokens it carries) of every chunk in order (0 tokens: the
-    role-only first chunk, the usage chunk), ``end`` when the stream ended, ``output_tokens`` the
+    role-only first chunk, the usage chunk), ``end`` when its last token arrived, ``output_tokens`` the
     server's count. TPOT is NaN for a one-token answer."""
     token_chunks = [(t, k) for t, k in chunks if k > 0]
     if not token_chunks:
@@ -119,7 +119,7 @@ class Stream:
     scheduled: float                 # when it was due: its arrival (open loop) or its send (closed loop)
     warmup: bool = False
     sent: float | None = None
-    end: float | None = None
+    end: float | None = None          # the end of the stream (after the usage chunk and [DONE])
     chunks: list[tuple[float, str]] = field(default_factory=list)   # (arrival, text) of every chunk
     output_tokens: int | None = None  # the server's count (usage), when it sent one
     error: str | None = None
@@ -131,6 +131,11 @@ class Stream:
     @property
     def text(self) -> str:
         return "".join(text for _, text in self.chunks)
+
+    @property
+    def last_token(self) -> float | None:
+        """When the last chunk that carried text arrived (the E2E figures end there, as vLLM's do)."""
+        return max((t for t, text in self.chunks if text), default=self.end)
 
 
 def count_chunk_tokens(chunks, tokenizer=None) -> list[tuple[float, int]]:
@@ -178,7 +183,7 @@ class Level:
             if s.ok:
                 chunks, n = self._chunks(s)
                 if any(k for _, k in chunks):
-                    out.append(self.metrics(s.scheduled, chunks, s.end, n))
+                    out.append(self.metrics(s.scheduled, chunks, s.last_token, n))
         return out
 
     def summary(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
@@ -197,7 +202,7 @@ class Level:
             if t0 <= s.end < t1:
                 finished += 1
                 if any(k for _, k in chunks):
-                    m = self.metrics(s.scheduled, chunks, s.end, n)
+                    m = self.metrics(s.scheduled, chunks, s.last_token, n)
                     good += meets(m, slo_ttft_s, slo_tpot_s)
         per = self.per_request()
         return {

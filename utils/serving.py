@@ -364,5 +364,5 @@ def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
     server.validate(prompt, max_tokens)
     s = _diagnosed(server, loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens))
     n = s.output_tokens or sum(k for _, k in loadgen.count_chunk_tokens(s.chunks, server.tokenizer()))
-    m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.end, n)
+    m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.last_token, n)
     return RequestResult(ttft_s=m["ttft"], latency_s=m["e2e"], output_tokens=n, itl_s=m["itl"], text=s.text)

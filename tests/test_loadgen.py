@@ -208,7 +208,8 @@ def test_window_throughput_goodput_and_slo():
     assert s["slo_met"] == approx(2 / 3)                                    # of the measured ones
     assert s["ttft"]["n"] == 3 and s["ttft"]["p50"] == approx(0.2)
     row = loadgen.row(s)
-    assert row["load"] == "0.4 req/s" and row["TTFT p50 ms"] == approx(200)
+    assert row["load"] == "0.4 req/s" and row["requests"] == 3 and row["goodput req/s"] == approx(0.1)
+    assert row["TTFT ms: mean / p50 / p90 / p99"] == "267 / 200 / 440 / 494"   # of 100, 500, 200 ms
 
 
 def test_bad_levels_are_refused():

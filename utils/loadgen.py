@@ -225,17 +225,22 @@ def meets(m: dict, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
             and (slo_tpot_s is None or math.isnan(m["tpot"]) or m["tpot"] <= slo_tpot_s))
 
 
-def row(summary: dict, *, what=("ttft", "tpot", "itl", "e2e"), stats=("p50", "p90")) -> dict:
-    """A flat table row of a level's summary, latencies in ms."""
+def _ms(seconds: float) -> str:
+    v = 1e3 * seconds
+    return "–" if math.isnan(v) else f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def row(summary: dict, what=("ttft", "tpot", "itl", "e2e")) -> dict:
+    """A table row of a level's summary: load, counts, throughputs, then each latency as
+    "mean / p50 / p90 / p99" in ms."""
     load = summary["load"]
     out = {"load": f"c={load:g}" if summary["mode"] == "concurrency" else f"{load:.3g} req/s",
            "requests": summary["requests"], "failed": summary["failed"],
-           "req/s": summary["requests_per_s"], "output tok/s": summary["output_tokens_per_s"]}
+           "req/s": summary["requests_per_s"], "output tok/s": summary["output_tokens_per_s"],
+           "goodput req/s": summary["goodput_requests_per_s"]}
     for w in what:
-        for s in stats:
-            out[f"{w.upper()} {s} ms"] = 1e3 * summary[w][s]
+        out[f"{w.upper()} ms: mean / p50 / p90 / p99"] = " / ".join(_ms(summary[w][k]) for k in STATS)
     out["ITL values"] = summary["itl"]["n"]
-    out["goodput req/s"] = summary["goodput_requests_per_s"]
     return out
 
 

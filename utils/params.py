@@ -187,7 +187,9 @@ SPECS: dict[str, Spec] = {
     "INPUT_TOKENS": Spec("count", maximum=8192), "SLO_TTFT_MS": Spec("milliseconds", maximum=600_000),
     "SLO_TPOT_MS": Spec("milliseconds", maximum=600_000),
 
-    # lab 06
+    # lab 06 (and DECODE_TOKENS, as in lab 05)
+    "RANKS": Spec("count", maximum=64), "MESSAGE_SIZES": Spec("counts", maximum=1 << 34),
+    "TP_SHAPE": Spec("choice", lambda: ("tiny", *_model_shapes())),
 
     # lab 07
 }

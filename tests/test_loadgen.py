@@ -88,6 +88,17 @@ def test_arrivals_are_seeded_at_the_rate_with_the_asked_burstiness():
         loadgen.arrival_times(1, 1, burstiness=0)
 
 
+def test_the_labs_arrival_kinds():
+    """ARRIVALS of lab 05: its allowed names are loadgen's, and each gives its spread of gaps."""
+    from utils import params
+
+    assert set(params.SPECS["ARRIVALS"].allowed) == set(loadgen.BURSTINESS)
+    spread = {k: cv(loadgen.arrival_times(50, 200, burstiness=b, seed=3)) for k, b in loadgen.BURSTINESS.items()}
+    assert spread["constant"] == pytest.approx(0, abs=1e-6)
+    assert spread["poisson"] == pytest.approx(1, abs=0.05)
+    assert spread["bursty"] == pytest.approx(2 ** 0.5, abs=0.1)          # gamma, shape 0.5: CV = 1 / sqrt(0.5)
+
+
 def fake_engine(*, ttft=0.02, step=0.005, tokens=5, slots=None, fail=None):
     """A streaming engine in-process: a role chunk, then one token per step, then a usage chunk. With
     ``slots``, at most that many requests are served at once (the rest queue, as in a busy server)."""

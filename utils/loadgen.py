@@ -246,6 +246,10 @@ def row(summary: dict, what=("ttft", "tpot", "itl", "e2e")) -> dict:
 
 # ---- arrivals and the two loops ------------------------------------------------------------------
 
+# lab 05's ARRIVALS: the burstiness of the open loop's gamma-distributed gaps
+BURSTINESS = {"poisson": 1.0, "bursty": 0.5, "constant": math.inf}
+
+
 def arrival_times(rate: float, horizon_s: float, *, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Seeded arrival times in [0, horizon_s) at ``rate`` requests/s: gaps drawn from a gamma distribution
     of mean 1/rate and shape ``burstiness`` (1: Poisson; < 1 burstier; math.inf: a constant rate)."""

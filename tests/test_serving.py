@@ -2,6 +2,7 @@
 load test measures, no server process or port outlives the `with` block (an error, SIGTERM of the run,
 the kernel's death), a stale server is never measured, and a dead, wedged or over-asked engine is
 reported with a reason."""
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from utils import models, processes, serving
+from utils import loadgen, models, processes, serving
 
 ENGINE = serving.find_engine("transformers")
 needs_server = pytest.mark.skipif(ENGINE is None or models.smollm2_gguf() is None,
@@ -36,21 +37,38 @@ def server_environ(pid: int) -> dict[str, str]:
 
 
 @needs_server
-def test_real_completions_and_a_clean_stop(smollm2, tmp_path):
+def test_real_completions_load_tests_and_a_clean_stop(smollm2, tmp_path):
     log = tmp_path / "serve.log"
+    question = "What is the capital of France? Answer in one word."
     with serving.Server(ENGINE, smollm2, device="cpu", log_path=log) as server:
         engine_pids = processes.listener_pids(server.port)
         assert engine_pids and all(server_environ(p)["HF_HUB_OFFLINE"] == "1" for p in engine_pids)
-        answer = serving.chat(server, "What is the capital of France? Answer in one word.", max_tokens=8)
-        levels = serving.sweep(server, [1, 2], prompts=["Count to ten."], max_tokens=6, progress=False)
+        answer = serving.chat(server, question, max_tokens=12)
+        count = serving.chat(server, "Count to twenty.", max_tokens=12)
+        # levels sized from a measured 12-token request, with room for requests several times slower (a busy
+        # machine's load changes): at c=1 a level measures nothing if one request outlasts its whole window
+        one = count.latency_s / count.output_tokens * 12
+        requests = [loadgen.Request(question, 0), *loadgen.prompt_set(server.prompt_tokens, n=3)]
+        run = dict(max_tokens=12, duration_s=max(2.0, 5 * one), warmup_s=max(0.5, one), progress=False)
+        closed = loadgen.sweep(server, "concurrency", [1, 2], requests, **run)
+        rate = 1 / one
+        opened = loadgen.sweep(server, "rate", [rate], requests, **run)
         pgid, port = server.pgid, server.port
     assert "paris" in answer.text.lower()
-    assert 0 < answer.output_tokens <= 8 and answer.ttft_s > 0
-    assert [lv.concurrency for lv in levels] == [1, 2]
-    assert [len(lv.requests) for lv in levels] == [2, 4]
-    for lv in levels:
-        assert lv.tokens_per_s > 0 and all(r.output_tokens == 6 for r in lv.requests)
-        assert lv.percentile("itl_s", 50) > 0 and lv.row()["tokens/s"] == lv.tokens_per_s
+    assert 0 < answer.output_tokens < 12 and answer.ttft_s > 0       # it stops at its end-of-sequence token
+    assert [lv.load for lv in closed] == [1, 2] and opened[0].mode == "rate"
+    for lv in closed + opened:
+        summary = lv.summary()
+        assert summary["failed"] == 0 and summary["requests"] >= 1, \
+            (lv.mode, lv.load, run, [(round(st.scheduled - lv.window[0], 2), st.ok) for st in lv.streams], lv.errors())
+        streams = [st for st in lv.streams if st.ok]
+        # pinned: every request streams exactly max_tokens tokens, also the one-word question
+        assert {st.output_tokens for st in streams} == {12}
+        assert any(st.request.prompt == question for st in streams)
+        assert summary["output_tokens_per_s"] > 0 and summary["ttft"]["p50"] > 0
+        assert summary["tpot"]["p50"] > 0 and summary["itl"]["n"] >= 5 * summary["requests"]
+    horizon = run["duration_s"] + run["warmup_s"]
+    assert len(opened[0].streams) == len(loadgen.arrival_times(rate, horizon, seed=0))     # seeded arrivals
     assert not serving.group_alive(pgid), "the server's process group outlived the with block"
     assert not serving.port_open(port)
     assert "Uvicorn running" in log.read_text() or "Application startup complete" in log.read_text()
@@ -61,13 +79,13 @@ def test_an_exception_mid_sweep_still_stops_the_server(smollm2, tmp_path):
     seen = {}
 
     def fail_after_first_level(level):
-        raise RuntimeError(f"stop after concurrency {level.concurrency}")
+        raise RuntimeError(f"stop after concurrency {level.load}")
 
     with pytest.raises(RuntimeError, match="stop after concurrency 1"):
         with serving.Server(ENGINE, smollm2, device="cpu", log_path=tmp_path / "serve.log") as server:
             seen["pgid"], seen["port"] = server.pgid, server.port
-            serving.sweep(server, [1, 2, 4], prompts=["Hi"], max_tokens=4, progress=False,
-                          on_level=fail_after_first_level)
+            loadgen.sweep(server, "concurrency", [1, 2, 4], [loadgen.Request("Hi", 0)], max_tokens=4,
+                          duration_s=0.5, warmup_s=0.2, progress=False, on_level=fail_after_first_level)
     assert not serving.group_alive(seen["pgid"])
     assert not serving.port_open(seen["port"])
 
@@ -125,12 +143,16 @@ def test_engine_choice_and_commands(monkeypatch, tmp_path):
     assert "--enforce-eager" in cmd and cmd[cmd.index("--port") + 1] == "8001"
     assert "--enforce-eager" not in vllm.command("/m", host="h", port=1, device="cuda", served_name="m")
     assert vllm.environment("cpu")["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert vllm.pinned_length(16) == {"ignore_eos": True, "min_tokens": 16}
+    assert vllm.weight_bytes_per_param("cpu") == 2
     tf = serving.Engine("transformers", "transformers")
     cpu = tf.command("/m/smol", host="127.0.0.1", port=8002, device="cpu", served_name="/m/smol")
     assert "--continuous-batching" in cpu and cpu[cpu.index("--cb-num-blocks") + 1] == "64"
     gpu = tf.command("/m/smol", host="127.0.0.1", port=8002, device="cuda", served_name="/m/smol")
     assert "--cb-num-blocks" not in gpu and gpu[gpu.index("--dtype") + 1] == "bfloat16"
     assert "--cb-use-cuda-graph" in gpu and "--cb-use-cuda-graph" not in cpu
+    assert json.loads(tf.pinned_length(16)["generation_config"]) == {"eos_token_id": -1}   # accepted, unlike ignore_eos
+    assert (tf.weight_bytes_per_param("cpu"), tf.weight_bytes_per_param("cuda")) == (4, 2)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert tf.environment("cpu")["HF_HUB_OFFLINE"] == "1" and (tmp_path / "hf" / "hub").is_dir()
 

@@ -182,6 +182,11 @@ SPECS: dict[str, Spec] = {
     "RANDOM_SHAPE": Spec("choice", _model_shapes), "SERVE_MODEL": Spec("choice", ("smollm2", "random")),
     "CONCURRENCY": Spec("counts", maximum=1024), "OUTPUT_TOKENS": Spec("count", maximum=4096),
     "DECODE_TOKENS": Spec("count", maximum=4096),
+    "LOAD_PERCENT": Spec("counts", maximum=1000), "LOAD_SECONDS": Spec("count", maximum=600),
+    "WARMUP_SECONDS": Spec("count", maximum=300), "DATASET": Spec("choice", ("random", "prompts"), none_ok=False),
+    "INPUT_TOKENS": Spec("count", maximum=8192), "SLO_TTFT_MS": Spec("milliseconds", maximum=600_000),
+    "SLO_TPOT_MS": Spec("milliseconds", maximum=600_000),
+    "ARRIVALS": Spec("choice", ("poisson", "bursty", "constant"), none_ok=False),
 
     # lab 06 (and DECODE_TOKENS, as in lab 05)
     "RANKS": Spec("count", maximum=64), "MESSAGE_SIZES": Spec("counts", maximum=1 << 34),

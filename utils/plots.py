@@ -50,28 +50,66 @@ def lane_map(threads: int = 256, widths=(32, 64)):
     return fig
 
 
-def serving_sweep(levels, title: str = ""):
-    """Throughput and latency against concurrency, from ``utils.serving.sweep``'s levels: output
-    tokens/s of the server (left), time to first token and inter-token latency percentiles (right)."""
+def serving_load(closed, opened, *, slo_ttft_s=None, slo_tpot_s=None, ceiling=None, title: str = ""):
+    """Lab 05's load tests at a glance, from ``utils.loadgen`` level summaries (closed loop: ``closed``, open
+    loop: ``opened``): (1) the knee, time per output token against output tokens/s as load grows; (2) TTFT
+    and TPOT percentiles against the offered request rate, with the SLO and the goodput; (3) output tokens/s
+    against concurrency under ``ceiling(c)``, the bandwidth ceiling in tokens/s (None: not drawn)."""
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    c = [lv.concurrency for lv in levels]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.plot(c, [lv.tokens_per_s for lv in levels], "o-", label="measured")
-    ax1.plot(c, [levels[0].tokens_per_s * x / c[0] for x in c], "k:", label="perfect scaling from the first")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("concurrent requests")
-    ax1.set_ylabel("output tokens/s (all requests)")
-    ax1.legend(fontsize=8)
-    for what, label, style in (("ttft_s", "TTFT", "s"), ("itl_s", "inter-token", "o")):
-        for q, dash in ((50, "-"), (90, "--")):
-            ax2.plot(c, [1e3 * lv.percentile(what, q) for lv in levels], style + dash,
-                     label=f"{label} p{q}")
-    ax2.set_xscale("log", base=2)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("concurrent requests")
-    ax2.set_ylabel("ms")
-    ax2.legend(fontsize=8)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    for runs, mode, marker in ((closed, "closed loop", "o"), (opened, "open loop", "s")):
+        if not runs:
+            continue
+        x = [r["output_tokens_per_s"] for r in runs]
+        for q, style in (("p50", "-"), ("p90", "--")):
+            ax1.plot(x, [1e3 * r["tpot"][q] for r in runs], marker + style, label=f"{mode}, TPOT {q}")
+        for r, xi in zip(runs, x):
+            load = f"c={r['load']:g}" if r["mode"] == "concurrency" else f"{r['load']:.2g}/s"
+            ax1.annotate(load, (xi, 1e3 * r["tpot"]["p50"]), fontsize=7, xytext=(3, -9), textcoords="offset points")
+    if slo_tpot_s:
+        ax1.axhline(1e3 * slo_tpot_s, color="gray", ls=":", label="TPOT SLO")
+    ax1.set_xlabel("output tokens/s (all requests)")
+    ax1.set_ylabel("time per output token, ms")
+    ax1.set_title("the knee: throughput bought with latency", fontsize=10)
+    ax1.legend(fontsize=7)
+
+    if opened:
+        rate = [r["load"] for r in opened]
+        for what, color in (("ttft", "tab:blue"), ("tpot", "tab:orange")):
+            for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+                ax2.plot(rate, [1e3 * r[what][q] for r in opened], "o" + style, color=color,
+                         label=f"{what.upper()} {q}")
+        for slo, color in ((slo_ttft_s, "tab:blue"), (slo_tpot_s, "tab:orange")):
+            if slo:
+                ax2.axhline(1e3 * slo, color=color, lw=0.8, alpha=0.6)
+        ax2.set_yscale("log")
+        twin = ax2.twinx()
+        twin.plot(rate, [r["requests_per_s"] for r in opened], "k^-", lw=0.8, label="completed req/s")
+        twin.plot(rate, [r["goodput_requests_per_s"] for r in opened], "g^-", lw=0.8, label="goodput req/s")
+        twin.set_ylabel("requests/s")
+        twin.set_ylim(bottom=0)
+        twin.legend(fontsize=7, loc="lower right")
+        ax2.legend(fontsize=6, loc="upper left", ncol=2)
+    ax2.set_xlabel("offered request rate, requests/s (Poisson)")
+    ax2.set_ylabel("ms (thin lines: the SLO)")
+    ax2.set_title("latency as the request rate grows", fontsize=10)
+
+    if closed:
+        c = [r["load"] for r in closed]
+        ax3.plot(c, [r["output_tokens_per_s"] for r in closed], "o-", label="measured")
+        ax3.plot(c, [closed[0]["output_tokens_per_s"] * x / c[0] for x in c], "k:", lw=0.8,
+                 label=f"perfect scaling from c={c[0]:g}")
+        if ceiling is not None:
+            grid = np.geomspace(min(c), max(c), 50)
+            ax3.plot(grid, [ceiling(x) for x in grid], "r-", lw=1, label="bandwidth ceiling")
+        ax3.set_xscale("log", base=2)
+        ax3.set_yscale("log")
+        ax3.legend(fontsize=7)
+    ax3.set_xlabel("concurrent requests (closed loop)")
+    ax3.set_ylabel("output tokens/s")
+    ax3.set_title("saturation against the ceiling", fontsize=10)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

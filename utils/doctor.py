@@ -130,8 +130,8 @@ def runnable_target(arch: str, arch_list) -> str | None:
     """The entry of `arch_list` (a PyTorch build's `get_arch_list()`) whose code a GPU of architecture
     `arch` can run, or None.
 
-    NVIDIA: its own `sm_XY`; else machine code of the same major with a lower minor (`sm_86` code runs on
-    `sm_89`; not the arch-specific `sm_90a`-style builds); else PTX (`compute_XY`) of an older or equal
+    NVIDIA: its own `sm_XY` (or `sm_XYa`, arch-specific, which runs on exactly XY); else machine code of the same
+    major with a lower minor (`sm_86` code runs on `sm_89`; arch-specific builds never run on another); else PTX (`compute_XY`) of an older or equal
     architecture, which the driver compiles at first use. AMD: its own `gfxNNNN`, or the generic target of
     its family (`gfx11-generic`); machine code for another chip is not run (HSA_OVERRIDE_GFX_VERSION can
     force it: see `verdict`)."""
@@ -146,6 +146,8 @@ def runnable_target(arch: str, arch_list) -> str | None:
         raise ValueError(f"unknown architecture {arch!r}: expected sm_XY or gfxNNNN")
     if arch in targets:
         return arch
+    if f"{arch}a" in targets:              # arch-specific features: runs on exactly this architecture
+        return f"{arch}a"
     sass = [t for t in targets if t.startswith("sm_") and _sm(t) and not t[-1].isalpha()
             and _sm(t)[0] == mine[0] and _sm(t) <= mine]
     if sass:
@@ -289,7 +291,7 @@ def _verdict_rocm(facts: Facts, hw_vendor) -> Verdict:
     fam = family(real)
     sibling = next((t for t in facts.arch_list if fam and family(t) == fam), None)
     detail = [f"PyTorch {facts.torch} ships kernels for {' '.join(facts.arch_list)}: not for {real}; its first "
-              "GPU kernel fails with 'HIP error: invalid device function' (copies still work: the model 'loads fine')"]
+              "GPU kernel fails with 'HIP error: invalid device function' (the model loads, then fails)"]
     fixes = [f"a PyTorch build with {real} in get_arch_list() (PyTorch's ROCm builds added gfx950, gfx1150 and "
              "gfx1151 to their target list: a newer ROCm wheel, or AMD's own ROCm wheels for the chip)"]
     if sibling:

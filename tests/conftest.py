@@ -4,6 +4,18 @@ from pathlib import Path
 
 import pytest
 
+# Triton decides between compiled and interpreted kernels when they are defined, and test modules (and
+# the labs' exported modules they load) define kernels at import: so the choice is made once, here, for
+# the whole test process. No GPU -> Triton's interpreter on CPU tensors (ahead-of-time compilation for
+# gfx942/sm_90 then runs in a child process, see utils.isa).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -148,3 +148,16 @@ def test_an_interrupted_run_says_so_and_leaves_no_kernel(tmp_path, build_dir, si
     while processes.alive(kernel) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes.alive(kernel), "the notebook's kernel outlived the interrupted run"
+
+
+def test_a_second_run_in_the_same_build_folder_stops_at_once(tmp_path, build_dir, capsys):
+    """Two `make run` in one checkout would overwrite each other's status: the second one says so."""
+    held = harness._lock_build(build_dir)
+    try:
+        nb = write_nb(tmp_path / "80_x.ipynb", "print(1)")
+        assert harness.main(["run", "--device", "cpu", str(nb)]) == 2
+        err = capsys.readouterr().err
+        assert "is in use by another `make run` (pid" in err and "COURSE_BUILD_DIR=" in err
+    finally:
+        held.close()
+    assert harness.main(["run", "--device", "cpu", str(nb)]) == 0

@@ -149,3 +149,29 @@ def test_cuda_registers_per_kernel():
     regs = isa.cuda_registers(BRANCHY.replace("hip/hip_runtime.h", "cuda_runtime.h") + CUDA.split("int main")[0], "sm_90")
     assert set(regs) == {"branchy", "vector_add"}
     assert all(0 < r["registers"] <= 255 and r["spill_bytes"] == 0 for r in regs.values())
+
+
+def test_compile_triton_many_returns_each_build_or_its_refusal(tmp_path, monkeypatch):
+    """One child process under the interpreter; a target that refuses an option is that job's CompileError."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "aot_dot.py").write_text(
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        "def dot_kernel(a_ptr, c_ptr, P: tl.constexpr):\n"
+        "    o = tl.arange(0, 16)\n"
+        "    a = tl.load(a_ptr + o[:, None] * 16 + o[None, :])\n"
+        "    tl.store(c_ptr + o[:, None] * 16 + o[None, :], tl.dot(a, a, input_precision=P))\n")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("aot_dot", tmp_path / "aot_dot.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["aot_dot"] = module
+    spec.loader.exec_module(module)
+    sig = {"a_ptr": "*fp32", "c_ptr": "*fp32"}
+    jobs = [dict(signature=sig, target=t, constexprs={"P": p}) for t, p in (("gfx942", "tf32"), ("gfx90a", "tf32"), ("sm_90", "ieee"))]
+    xf32, refused, ieee = isa.compile_triton_many(module.dot_kernel, jobs)
+    assert xf32["amdgcn"].count(r"v_mfma_f32_\w+_xf32") > 0
+    assert isinstance(refused, isa.CompileError) and "input_precision must be one of" in str(refused)
+    assert ieee["ptx"].count(r"fma\.rn\.f32") > 0 and "mma" not in ieee["ptx"].text
+    with pytest.raises(isa.CompileError, match="input_precision"):
+        isa.compile_triton(module.dot_kernel, sig, "gfx90a", constexprs={"P": "tf32"})

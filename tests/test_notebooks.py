@@ -1,6 +1,7 @@
 """Every notebook executes: the solutions under nbval (no error, checked outputs equal to the stored ones),
 the generated labs with papermill (every exercise unfinished: no error at all, each says NOT DONE, and
 the lab still runs to its end with the course's reference answers), and labs/ is what solutions/ generates."""
+import os
 import re
 import subprocess
 import sys
@@ -128,3 +129,29 @@ def test_stub_errors_are_recognised_and_others_are_not():
     assert is_exercise_stub_error("CompilationError", f"at 20:8:\n        {STUB}\n        ^\nunsupported AST node type: Raise")
     assert not is_exercise_stub_error("NotImplementedError", "something else")
     assert not is_exercise_stub_error("NameError", "name 'amd' is not defined")
+
+
+BAD_VALUE = {"count": -1, "counts": 7, "milliseconds": float("nan"), "choice": "bogus", "pair": [1]}
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_parameter_rejects_a_bad_value_by_name_in_the_check_cell(solution, build_dir, monkeypatch):
+    """A learner who edits the parameters cell by hand (no harness in between): the cell that checks the
+    parameters stops each bad value with a ParameterError that names it; nothing else runs first."""
+    nb = solutions.read(solution)
+    i = next(k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    check_cell = next(c for c in nb.cells[i + 1:] if c.cell_type == "code")
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    for name in harness.declared_parameters(solution):
+        if name == "DEVICE":
+            continue
+        bad = BAD_VALUE[params.SPECS[name].kind]
+        scope = {}
+        with monkeypatch.context() as m:
+            m.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+            exec(compile(nb.cells[i].source, "parameters", "exec"), scope)
+            scope[name] = bad
+            scope["DEVICE"] = "cpu"
+            with pytest.raises(params.ParameterError) as err:
+                exec(compile(check_cell.source, "check", "exec"), scope)
+        assert str(err.value).startswith(f"{name}=") or f"{name}[" in str(err.value), (name, str(err.value))

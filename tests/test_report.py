@@ -165,3 +165,20 @@ def test_a_corrupt_reference_names_its_file(tmp_path, monkeypatch):
     (tmp_path / "h100.json").write_text('{"device": "NVIDIA H1')
     with pytest.raises(state.CorruptStateError, match=r"reference record .*h100.json is corrupt"):
         report.load_reference()
+
+
+def test_a_reference_takes_figures_only_from_labs_that_finished_in_the_latest_run(build_dir, h100, capsys):
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    report.start("02_wavefront_vs_warp", h100).metric("divergence.time_p1_over_p32", 1.9, "ratio")
+    report.start("03_bf16_matmul", h100).metric("matmul.torch_tflops_4096", 700.0, "TFLOP/s")
+    (build_dir / "status.json").write_text(json.dumps({"run": {"id": "r2", "state": "finished"}, "labs": {
+        "00_environment": {"status": "ok", "run_id": "r2"},
+        "02_wavefront_vs_warp": {"status": "failed", "run_id": "r2", "error": "TypeError: x"},
+        "03_bf16_matmul": {"status": "ok", "run_id": "r1"}}}))
+    out = build_dir / "ref.json"
+    assert report.main(["reference", str(out)]) == 0
+    ref = json.loads(out.read_text())
+    assert ref["labs"] == ["00_environment"] and list(ref["metrics"]) == ["environment.add_gbps"]
+    printed = capsys.readouterr().out
+    assert "02_wavefront_vs_warp: left out of the reference (**FAILED**: TypeError: x)" in printed
+    assert "03_bf16_matmul: left out of the reference (not run in the latest run" in printed

@@ -213,7 +213,7 @@ def test_long_prompts_are_refused_and_a_wedged_engine_is_reported_then_restarted
             serving.chat(server, "Hi", max_tokens=0)
         assert "paris" in serving.chat(server, "What is the capital of France?", max_tokens=8).text.lower()
         # the same prompt sent around the client kills transformers' batching worker: /health stays OK
-        assert raw_chat(server, long_prompt) == 503
+        assert raw_chat(server, long_prompt) >= 500     # 503 (or 500 on a loaded machine): the worker died
         with pytest.raises(serving.ServerError, match="is wedged: .*one-token generation failed"):
             server.probe()
         first_pgid = server.pgid

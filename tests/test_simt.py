@@ -48,3 +48,98 @@ def test_the_32_lane_reduction_is_right_at_32_and_wrong_at_64():
 def test_the_portable_reduction_is_right_at_both_widths(width):
     values = np.random.default_rng(0).integers(0, 100, 1000)   # not a multiple of the width: padded
     assert simt.wave_sum(values, width, PORTABLE[width]) == int(values.sum())
+
+
+# --- run_kernel: CUDA/HIP source on the CPU ------------------------------------------------------------
+
+SHUFFLES = r"""
+__global__ void shuffles(const int* x, int* down, int* up, int* xr, int* idx, unsigned long long* votes, int delta) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int v = x[i];
+#if defined(__HIP_PLATFORM_AMD__)
+    down[i] = __shfl_down(v, delta); up[i] = __shfl_up(v, delta); xr[i] = __shfl_xor(v, delta);
+    idx[i] = __shfl(v, 5); votes[i] = __ballot(v % 3 == 0);
+#else
+    down[i] = __shfl_down_sync(0xffffffffu, v, delta); up[i] = __shfl_up_sync(0xffffffffu, v, delta);
+    xr[i] = __shfl_xor_sync(0xffffffffu, v, delta); idx[i] = __shfl_sync(0xffffffffu, v, 5);
+    votes[i] = __ballot_sync(0xffffffffu, v % 3 == 0);
+#endif
+}
+"""
+
+
+@pytest.mark.parametrize("platform, width", [("hip", 64), ("hip", 32), ("cuda", 32)])
+def test_run_kernel_shuffles_and_ballots_follow_cuda_and_hip(platform, width):
+    n, delta = 128, 3
+    x = np.arange(n, dtype=np.int32) * 10
+    outs = [("down", np.zeros(n, np.int32)), ("up", np.zeros(n, np.int32)), ("xr", np.zeros(n, np.int32)),
+            ("idx", np.zeros(n, np.int32)), ("votes", np.zeros(n, np.uint64))]
+    run = simt.run_kernel(SHUFFLES, "shuffles", [("x", x), *outs, ("delta", delta)], grid=1, block=n,
+                          width=width, platform=platform)
+    lane, base = np.arange(n) % width, np.arange(n) - np.arange(n) % width
+    src = np.where(lane + delta < width, np.arange(n) + delta, np.arange(n))
+    assert np.array_equal(run.buffers["down"], x[src])
+    assert np.array_equal(run.buffers["up"], x[np.where(lane >= delta, np.arange(n) - delta, np.arange(n))])
+    assert np.array_equal(run.buffers["xr"], x[base + (lane ^ delta)])
+    assert np.array_equal(run.buffers["idx"], x[base + 5])
+    expected_votes = [sum(1 << l for l in range(width) if x[b + l] % 3 == 0) for b in range(0, n, width)]
+    assert [int(v) for v in run.buffers["votes"][::width]] == expected_votes
+    assert run.problems == [] and run.max_shuffle_delta == delta
+
+
+def test_run_kernel_refuses_32_bit_masks_on_hip_and_plain_shuffles_on_cuda():
+    masked = "__global__ void k(int* x) { x[threadIdx.x] = __shfl_down_sync(0xffffffff, x[threadIdx.x], 1); }"
+    with pytest.raises(simt.KernelError, match="does not compile \\(HIP\\).*mask must be a 64-bit integer"):
+        simt.run_kernel(masked, "k", [("x", np.zeros(64, np.int32))], grid=1, block=64, width=64)
+    plain = "__global__ void k(int* x) { x[threadIdx.x] = __shfl_down(x[threadIdx.x], 1); }"
+    with pytest.raises(simt.KernelError, match="does not compile \\(CUDA\\)"):
+        simt.run_kernel(plain, "k", [("x", np.zeros(32, np.int32))], grid=1, block=32, width=32, platform="cuda")
+    constant = "__global__ void k(int* x) { constexpr int w = warpSize; x[threadIdx.x] = w; }"
+    with pytest.raises(simt.KernelError, match="does not compile"):   # a variable, as in CUDA and ROCm 7
+        simt.run_kernel(constant, "k", [("x", np.zeros(64, np.int32))], grid=1, block=64, width=64)
+
+
+def test_run_kernel_reports_what_a_gpu_would_not():
+    left_out = ("__global__ void k(int* x) { unsigned long long m = 0xffffffffull; "
+                "x[threadIdx.x] = __shfl_down_sync(m, x[threadIdx.x], 1); }")
+    run = simt.run_kernel(left_out, "k", [("x", np.zeros(64, np.int32))], grid=1, block=64, width=64)
+    assert any("lane 32 called __shfl_down with a mask that leaves it out (mask 0xffffffff)" in p for p in run.problems)
+    exited = ("__global__ void k(int* x, int n) { int i = threadIdx.x; if (i >= n) return; "
+              "x[i] = __shfl_down(x[i], 4); }")
+    run = simt.run_kernel(exited, "k", [("x", np.arange(64, dtype=np.int32)), ("n", 40)], grid=1, block=64, width=64)
+    assert any("read lane 40" in p and "had returned" in p for p in run.problems)
+    past_end = "__global__ void k(float* x, int n) { x[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f; }"
+    with pytest.raises(simt.KernelError, match="wrote past the end of `x` \\(100 elements\\)"):
+        simt.run_kernel(past_end, "k", [("x", np.zeros(100, np.float32)), ("n", 100)], grid=1, block=128, width=64)
+    forever = "__global__ void k(int* x) { for (int o = 0; o >= 0; o /= 2) x[0] += 1; }"
+    with pytest.raises(simt.KernelError, match="did not finish in 2 s"):
+        simt.run_kernel(forever, "k", [("x", np.zeros(1, np.int32))], grid=1, block=1, width=64, timeout=2)
+
+
+def test_run_kernel_block_barrier_shared_memory_and_atomic_lanes():
+    block_sum = r"""
+__global__ void block_sum(const float* x, float* out) {
+    __shared__ float partial[32];
+    float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    for (int o = warpSize / 2; o > 0; o /= 2) v += __shfl_down(v, o);
+    if (threadIdx.x % warpSize == 0) partial[threadIdx.x / warpSize] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0;
+        for (int w = 0; w < blockDim.x / warpSize; ++w) s += partial[w];
+        atomicAdd(out, s);
+    }
+}
+"""
+    x = np.arange(512, dtype=np.float32)
+    run = simt.run_kernel(block_sum, "block_sum", [("x", x), ("out", np.zeros(1, np.float32))], grid=2, block=256, width=64)
+    assert run.buffers["out"][0] == x.sum() and run.problems == []
+    assert run.atomic_lanes == [[0], [], [], [], [0], [], [], []]   # 2 blocks x 4 wavefronts: lane 0 of the first
+
+
+@pytest.mark.parametrize("kwargs, message", [({"width": 48}, "width=48"), ({"width": 64, "platform": "cuda"}, "warp 32"),
+                                             ({"width": 64, "block": 2048}, "block=2048"), ({"width": 64, "platform": "sycl"}, "platform")])
+def test_run_kernel_rejects_bad_launches(kwargs, message):
+    kwargs = {"grid": 1, "block": 64, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        simt.run_kernel("__global__ void k(int* x) {}", "k", [("x", np.zeros(1, np.int32))], **kwargs)

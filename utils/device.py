@@ -3,6 +3,7 @@
 `detect()` looks at the machine; `from_properties()` builds the same record from a device-properties
 object (PyTorch's, or a plain mapping with the same names), which is how the tests cover GPUs this
 machine does not have. Nothing here assumes a warp size: it is read from the properties.
+A CPU has no data-sheet peaks here: `measure_cpu_ceilings()` measures its ceilings instead (lab 00).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class DeviceInfo:
     spec: str | None = None           # the spec-table row the peaks come from
     runtime: str | None = None        # "HIP 6.4.x" / "CUDA 13.0"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    measured: bool = False            # the peaks were measured on this machine (a CPU), not published
 
     @property
     def is_gpu(self) -> bool:
@@ -60,6 +62,9 @@ class DeviceInfo:
     def _fields(self) -> list[tuple[str, str]]:
         def num(v, fmt):
             return "unknown" if v is None else fmt.format(v)
+
+        def peak(label, v, fmt):   # a measured ceiling says so, in its label
+            return ("ceiling: " + label.removeprefix("peak ") if self.measured and v is not None else label), num(v, fmt)
         return [
             ("device", self.name),
             ("backend", f"{self.backend} ({self.runtime})" if self.runtime else self.backend),
@@ -67,9 +72,9 @@ class DeviceInfo:
             (f"{self.lane_group} size", num(self.warp_size, "{} lanes")),
             (self.unit_name, num(self.compute_units, "{}")),
             ("memory", num(self.memory_bytes and self.memory_bytes / 2**30, "{:.1f} GiB")),
-            ("peak bandwidth", num(self.peak_bandwidth_gbps, "{:,.0f} GB/s")),
-            ("peak BF16 (dense)", num(self.peak_bf16_tflops, "{:,.1f} TFLOP/s")),
-            ("peak FP32", num(self.peak_fp32_tflops, "{:,.1f} TFLOP/s")),
+            peak("peak bandwidth", self.peak_bandwidth_gbps, "{:,.4g} GB/s"),
+            peak("peak BF16 (dense)", self.peak_bf16_tflops, "{:,.4g} TFLOP/s"),
+            peak("peak FP32", self.peak_fp32_tflops, "{:,.4g} TFLOP/s"),
         ]
 
     def __str__(self) -> str:
@@ -174,9 +179,62 @@ def cpu_info() -> DeviceInfo:
     return DeviceInfo(
         backend="cpu", vendor=vendor, name=name, arch="cpu", warp_size=None,
         compute_units=os.cpu_count(), memory_bytes=memory,
-        notes=("CPU: no published peaks in the spec table; the labs run small sizes "
-               "(Triton kernels under TRITON_INTERPRET=1) and report achieved figures only",),
+        notes=("CPU: no published peaks in the spec table (lab 00 measures this machine's ceilings); the labs "
+               "run small sizes, Triton kernels under TRITON_INTERPRET=1",),
     )
+
+
+def cpu_simd_lanes() -> tuple[str, int] | None:
+    """The widest fp32 SIMD this x86 CPU reports in /proc/cpuinfo, as (name, fp32 lanes); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line.split(":", 1)[1].split() for line in f if line.startswith("flags")))
+    except (OSError, StopIteration):
+        return None
+    for flag, name, lanes in (("avx512f", "AVX-512", 16), ("avx2", "AVX2", 8), ("avx", "AVX", 8), ("sse2", "SSE2", 4)):
+        if flag in flags:
+            return name, lanes
+    return None
+
+
+def measure_cpu_ceilings(info: DeviceInfo, *, copy_mib: int | None = None, matmul_n: int = 1024,
+                         reps: int = 3) -> DeviceInfo:
+    """A CPU's ceilings, measured, since no data sheet gives them here: memory bandwidth as the best of
+    `reps` copies of `copy_mib` MiB (default: 64 MiB or 4x the last-level cache; read and written, so 2x the bytes,
+    as STREAM counts a copy), the fp32 rate as the best of `reps` `torch.matmul` of `matmul_n`³ float32 on
+    PyTorch's threads. Returns `info` with `peak_bandwidth_gbps` and `peak_fp32_tflops` set, `measured`
+    True and a note saying how they were obtained. These are what software reaches here, a practical
+    ceiling: the hardware's own peak (cores x SIMD lanes x 2 for FMA x FMA units x clock) needs a clock and
+    unit count the OS does not report. A GPU's `info` is returned unchanged: its peaks are published."""
+    if info.is_gpu:
+        return info
+    import dataclasses
+
+    import torch
+
+    from .timing import benchmark
+
+    if copy_mib is None:
+        try:
+            llc = os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0
+        except (ValueError, OSError, AttributeError):
+            llc = 0
+        copy_mib = max(64, 4 * llc // 2**20)
+    nbytes = copy_mib * 2**20
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    copy = benchmark(lambda: dst.copy_(src), warmup=1, reps=reps, flush_l2=False, device="cpu")
+    a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
+    mm = benchmark(lambda: torch.matmul(a, b), warmup=1, reps=reps, flush_l2=False, device="cpu")
+    gbps = 2 * nbytes / (copy.min_ms / 1e3) / 1e9
+    tflops = 2 * matmul_n**3 / (mm.min_ms / 1e3) / 1e12
+    simd = cpu_simd_lanes()
+    how = (f"ceilings measured on this machine with {torch.get_num_threads()} thread(s): bandwidth = best of {reps} "
+           f"copies of {nbytes / 2**20:,.0f} MiB (2 x the bytes: read and written); FP32 = best of {reps} torch.matmul "
+           f"{matmul_n}³ float32" + (f"; {info.compute_units} cores with {simd[0]} ({simd[1]} fp32 lanes each)"
+                                      if simd else ""))
+    return dataclasses.replace(info, peak_bandwidth_gbps=gbps, peak_fp32_tflops=tflops, measured=True,
+                               notes=(how,))
 
 
 def detect(device: str = "auto") -> DeviceInfo:

@@ -105,17 +105,51 @@ def status_path() -> Path:
     return report.build_dir() / "status.json"
 
 
+class BuildBusy(RuntimeError):
+    """Another `make run` is using the same build folder."""
+
+
+def _lock_build(build: Path):
+    """Hold build/run.lock for this run: a second run in the same build folder stops at once (it would
+    overwrite this one's status and results) and says how to run beside it."""
+    import fcntl
+
+    build.mkdir(parents=True, exist_ok=True)
+    lock = open(build / "run.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise BuildBusy(f"{build} is in use by another `make run` ({holder}); wait for it to finish, or give "
+                        f"this run its own folder: COURSE_BUILD_DIR=/some/other/build make run") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}, started {now()}\n")
+    lock.flush()
+    return lock
+
+
 def run_notebooks(notebooks: list[Path], device: str = "auto", parameters: dict | None = None,
                   cell_timeout: float = DEFAULT_CELL_TIMEOUT) -> dict:
     """Execute `notebooks` with papermill into build/executed/; returns the status record. Raises
     KeyboardInterrupt (Terminated for SIGTERM) after recording an interruption."""
-    import papermill as pm
-    from tqdm.auto import tqdm
-
     parameters = dict(parameters or {})
     plan, log = plan_parameters(notebooks, {"DEVICE": device, **parameters})
     for line in log:
         print(line)
+    lock = _lock_build(report.build_dir())
+    try:
+        return _run_locked(notebooks, plan, device, cell_timeout)
+    finally:
+        lock.close()
+
+
+def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: float) -> dict:
+    import papermill as pm
+    from tqdm.auto import tqdm
+
     build = report.build_dir()
     executed = build / "executed"
     executed.mkdir(parents=True, exist_ok=True)
@@ -321,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         status = run_notebooks(notebooks, device=args.device, parameters=given, cell_timeout=args.cell_timeout)
     except params.ParameterError as err:
         print(f"ParameterError: {err}", file=sys.stderr)
+        return 2
+    except BuildBusy as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
         path = report.build_report()

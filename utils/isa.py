@@ -4,7 +4,9 @@
 - `compile_hip(source, arch)`: AMDGCN assembly from Debian's/ROCm's `hipcc` (device code only).
 - `compile_cuda(source, arch, kind)`: PTX from `nvcc`, or the SASS of its cubin (`cuobjdump -sass`);
   `cuda_registers(source, arch)`: what `ptxas -v` reports per kernel.
-- `compile_triton(kernel, signature, target, ...)`: Triton's ahead-of-time compiler, no GPU needed.
+- `compile_triton(kernel, signature, target, ...)`: Triton's ahead-of-time compiler, no GPU needed;
+  `compile_triton_many(kernel, jobs)` compiles one kernel for several targets/specializations at once
+  (one child process under the interpreter) and returns a failed job's error instead of raising.
 - `or_skip(fn, ...)`: runs one of these, or prints a SKIP line with the install command when the
   compiler is missing. Set COURSE_REQUIRE_TOOLS=hipcc,nvcc (CI does) to make a missing tool an error.
 """
@@ -185,8 +187,9 @@ class Compiled:
         return len(re.findall(pattern, self.text))
 
     def kernels(self) -> dict[str, dict]:
-        """Per kernel, what the AMD compiler reports: {"vgprs", "sgprs", "lds_bytes", "wavefront_size",
-        "occupancy"}; occupancy is LLVM's own count of resident waves per SIMD."""
+        """Per kernel, what the AMD compiler reports: {"vgprs", "agprs", "sgprs", "lds_bytes", "wavefront_size",
+        "occupancy"}; occupancy is LLVM's own count of resident waves per SIMD. On gfx90a and later "vgprs"
+        counts the unified file (architected VGPRs plus the AGPRs after them), so "agprs" is part of it."""
         if self.kind != "amdgcn":
             raise ValueError("kernels() reads AMDGCN assembly; for NVIDIA use cuda_registers()")
         import yaml
@@ -195,7 +198,8 @@ class Compiled:
         meta = "\n".join(line.expandtabs(4) for line in meta.splitlines() if line.strip())
         found = {}
         for k in yaml.safe_load(meta)["amdhsa.kernels"]:
-            found[_demangle(k[".name"])] = {"vgprs": k[".vgpr_count"], "sgprs": k[".sgpr_count"],
+            found[_demangle(k[".name"])] = {"vgprs": k[".vgpr_count"], "agprs": k.get(".agpr_count", 0),
+                                 "sgprs": k[".sgpr_count"],
                                  "lds_bytes": k[".group_segment_fixed_size"],
                                  "wavefront_size": k[".wavefront_size"], "occupancy": None}
         current = None
@@ -268,7 +272,9 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     `signature` maps argument names to Triton types ("*fp32", "i32"); constexpr values go in
     `constexprs`. Arguments named in `aligned` are promised to be multiples of 16 (pointers: 16-byte
     aligned), as Triton's JIT assumes at run time for aligned tensors; without it loads stay scalar.
-    Returns the assembly stages by name: "ttgir", "llir" and "amdgcn" (AMD) or "ptx" and "sass"."""
+    Returns the assembly stages by name: "ttgir", "llir" and "amdgcn" (AMD) or "ptx" and "sass", and
+    "metadata": JSON of what the launch needs ({"shared": bytes of shared memory / LDS, "num_warps", "num_stages"}),
+    the figure a GPU checks against its limit when the kernel is loaded."""
     if target not in TRITON_TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {sorted(TRITON_TARGETS)}")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -290,6 +296,10 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     command = f"triton.compile(..., target={target}, num_warps={num_warps})"
     out = {stage: Compiled(target, stage, compiled.asm[stage], command)
            for stage in ("ttgir", "llir", "amdgcn", "ptx") if stage in compiled.asm}
+    import json
+
+    meta = {k: getattr(compiled.metadata, k, None) for k in ("shared", "num_warps", "num_stages")}
+    out["metadata"] = Compiled(target, "metadata", json.dumps(meta), command)
     if "cubin" in compiled.asm:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -299,15 +309,39 @@ def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs
     return out
 
 
-def _compile_triton_elsewhere(kernel, signature, target, **kwargs) -> dict[str, Compiled]:
-    """`compile_triton` in a child process without TRITON_INTERPRET. The child sees the kernel's source
-    (from `inspect`) and that of the `@triton.jit` functions it calls, with `triton` and `tl` imported;
-    other globals (constants, Python helpers) are not carried."""
+def compile_triton_many(kernel, jobs: list[dict]) -> list:
+    """`compile_triton(kernel, **job)` for each job (a dict of its arguments: signature, target,
+    constexprs, aligned, num_warps, options). Returns, in order, each job's stages, or the CompileError
+    of a job that failed (e.g. an input_precision the target refuses), so one refusal does not stop the
+    rest. Under the interpreter all jobs compile in one child process."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _compile_triton_elsewhere(kernel, jobs)
+    return [_one_job(kernel, job) for job in jobs]
+
+
+def _one_job(kernel, job: dict):
+    job = dict(job)
+    try:
+        return compile_triton(kernel, job.pop("signature"), job.pop("target"), **job)
+    except ValueError:
+        raise   # a bad target or argument: the caller's mistake, not the compiler's
+    except Exception as err:  # noqa: BLE001 - Triton raises assertion and compilation errors alike
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        return CompileError(f"{type(err).__name__}: {lines[-1] if lines else ''}")
+
+
+def _compile_triton_elsewhere(kernel, signature, target=None, **kwargs):
+    """`compile_triton` (or, given a list of jobs as `signature`, `compile_triton_many`) in a child process
+    without TRITON_INTERPRET. The child sees the kernel's source (from `inspect`) and that of the
+    `@triton.jit` functions it calls, with `triton` and `tl` imported; other globals (constants, Python
+    helpers) are not carried."""
     import inspect
     import json
     import sys
     import textwrap
 
+    many = isinstance(signature, list)
+    jobs = signature if many else [dict(signature=signature, target=target, **kwargs)]
     fn = getattr(kernel, "fn", kernel)
     helpers = []
     for name in fn.__code__.co_names:
@@ -319,20 +353,30 @@ def _compile_triton_elsewhere(kernel, signature, target, **kwargs) -> dict[str, 
     script = "\n".join([
         "import json, sys", "import triton", "import triton.language as tl", "from utils import isa", "",
         source, "",
-        "args = json.loads(sys.argv[1])",
-        f"out = isa.compile_triton({fn.__name__}, args['signature'], args['target'], **args['kwargs'])",
-        "print(json.dumps({k: [v.text, v.command] for k, v in out.items()}))",
+        "jobs = json.loads(open(sys.argv[1]).read())",
+        f"out = isa.compile_triton_many({fn.__name__}, jobs)",
+        "print(json.dumps([{'error': str(o)} if isinstance(o, Exception) else {k: [v.text, v.command] for k, v in o.items()}",
+        "                  for o in out]))",
     ])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    kwargs = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+    jobs = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in job.items()} for job in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{fn.__name__}_aot.py"
         path.write_text(script)
-        run = _run([sys.executable, str(path), json.dumps({"signature": signature, "target": target, "kwargs": kwargs})],
-                   env=env)
-    return {stage: Compiled(target, stage, text, command)
-            for stage, (text, command) in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+        run = _run([sys.executable, str(path), str(Path(tmp) / "jobs.json")], env=env)
+    results = []
+    for job, out in zip(jobs, json.loads(run.stdout.strip().splitlines()[-1])):
+        if "error" in out:
+            results.append(CompileError(out["error"]))
+        else:
+            results.append({stage: Compiled(job["target"], stage, text, command) for stage, (text, command) in out.items()})
+    if many:
+        return results
+    if isinstance(results[0], CompileError):
+        raise results[0]
+    return results[0]
 
 
 def run_program(source: str, backend: str) -> str:

@@ -183,7 +183,9 @@ SPECS: dict[str, Spec] = {
     "CONCURRENCY": Spec("counts", maximum=1024), "OUTPUT_TOKENS": Spec("count", maximum=4096),
     "DECODE_TOKENS": Spec("count", maximum=4096),
 
-    # lab 06
+    # lab 06 (and DECODE_TOKENS, as in lab 05)
+    "RANKS": Spec("count", maximum=64), "MESSAGE_SIZES": Spec("counts", maximum=1 << 34),
+    "TP_SHAPE": Spec("choice", lambda: ("tiny", *_model_shapes())),
 
     # lab 07
     "CLINIC_MODEL": Spec("choice", ("smollm2", "random")), "NEW_TOKENS": Spec("count", maximum=512),

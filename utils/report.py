@@ -150,6 +150,19 @@ def lab_state(entry: dict, run: dict | None) -> str:
     return status
 
 
+def finished_results(results: dict[str, dict], status: dict) -> tuple[dict[str, dict], dict[str, str]]:
+    """(the sidecars of the labs that finished in the latest run, {lab: why} for the others): a reference
+    takes no figure from a lab that failed, was interrupted or belongs to an earlier run."""
+    kept, left = {}, {}
+    for lab, r in results.items():
+        why = lab_state(status["labs"].get(lab, {}), status.get("run"))
+        if why == "ok":
+            kept[lab] = r
+        else:
+            left[lab] = why
+    return kept, left
+
+
 def make_reference(results: dict[str, dict]) -> dict:
     """A reference record (`utils/reference/<gpu>.json`) from the sidecars of one real run."""
     runs = [r for r in results.values() if r.get("metrics")]
@@ -308,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "build":
         print(build_report())
     else:
-        data = make_reference(load_results())
+        results, left = finished_results(load_results(), load_status())
+        for lab, why in left.items():
+            print(f"{lab}: left out of the reference ({why})")
+        data = make_reference(results)
         if args.merge and args.out.exists():
             data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise'), data)
         state.write_json(args.out, data)

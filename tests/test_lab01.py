@@ -1,0 +1,354 @@
+"""Lab 01: the public kernels are right on every layout or say what they support, and the grader of every
+exercise passes the reference and answers written differently and fails known-wrong answers with their hint.
+
+On the CPU the Triton kernels run under the interpreter (a private copy of the lab's exported module, since
+`@triton.jit` picks the interpreter when a kernel is defined) on a seeded covering grid: sizes 1, 17, 97 and
+4099, every layout once, every accepted dtype once, and every unsupported input. The full grids, and the
+hand-written CUDA/HIP kernels built with load_inline, are `gpu` tests (`make test-gpu`)."""
+import hashlib
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from grading import errors, run_lab_with, stream_text
+from utils import isa, solutions
+from utils.exercises import ExerciseFailed
+
+
+@pytest.fixture(scope="module")
+def interpreter(tmp_path_factory):
+    """A loader of the lab's exported module, with answers substituted, whose kernels run under Triton's
+    interpreter (TRITON_INTERPRET=1 while this module's tests run)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    folder = tmp_path_factory.mktemp("lab01_interpreted")
+    loaded = {}
+
+    def load(answers=None):
+        source = solutions.export_source("01", answers)
+        name = "lab01_interpreted_" + hashlib.sha256(source.encode()).hexdigest()[:12]
+        if name not in loaded:
+            path = folder / f"{name}.py"
+            path.write_text(source)
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    yield load
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module")
+def lab(interpreter):
+    return interpreter()
+
+
+# --- triton_add on the CPU: a covering grid ------------------------------------------------------
+
+def test_contiguous_sizes_and_dtypes(lab, capsys):
+    lab.check_add("triton_add", lab.triton_add, sizes=(1, 17, 97, 4099))
+    lab.check_add("triton_add", lab.triton_add, sizes=(97,), dtypes=(torch.float16,))
+    lab.check_add("triton_add", lab.triton_add, sizes=(4099,), dtypes=(torch.bfloat16,))
+    assert capsys.readouterr().out.count("PASS") == 3
+
+
+def test_every_layout(lab, capsys):
+    lab.check_layouts("triton_add", lab.triton_add, n=97)
+    lab.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.float16, names={"x.T (2-D)", "out[::2]"})
+    lab.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.bfloat16,
+                      names={"heads transposed (B, N, H, D) -> (B, H, N, D)", "expand: a row broadcast"})
+    assert capsys.readouterr().out.count("PASS") == len(lab.layouts()) + 4
+
+
+def test_more_layouts(lab):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 2, 3, 2, generator=gen).permute(4, 2, 0, 3, 1)
+    out = torch.full((2, 3, 2, 3, 2), float("nan")).permute(4, 2, 0, 3, 1)      # 5-D strided out as well
+    y = torch.randn(2, 2, 2, 3, 3, generator=gen)
+    assert lab.triton_add(x, y, out) is out and torch.equal(out, x + y)
+    a = torch.randn(4099, generator=gen)
+    b = torch.randn(4099, generator=gen)
+    want = a + b
+    assert lab.triton_add(a, b, a) is a and torch.equal(a, want)                 # in place
+    got = lab.triton_add(a[::3], b[::3])                                          # out=None: a new tensor
+    assert got.is_contiguous() and torch.equal(got, a[::3] + b[::3])
+
+
+def test_the_64_bit_index_path(lab):
+    """Offsets past 2**31 switch add_strided_kernel to 64-bit arithmetic; the same kernel on small tensors."""
+    x, y = torch.randn(5, 7).T, torch.randn(7, 5)
+    out = torch.full((7, 5), float("nan"))
+    sizes, (xs, ys, os_) = lab.merged_layout(out.shape, x.stride(), y.stride(), out.stride())
+    lab.add_strided_kernel[(1,)](x, y, out, out.numel(), 1, *sizes, 0, 0, *xs, 0, 0, *ys, 0, 0, *os_,
+                                 BLOCK=64, INT64=True)
+    assert torch.equal(out, x + y)
+
+
+def test_merged_layout(lab):
+    t = torch.empty(3, 4, 5)
+    assert lab.merged_layout(t.shape, t.stride(), t.stride(), t.stride()) == ([60], [[1], [1], [1]])
+    tt = t.transpose(0, 2)
+    assert lab.merged_layout(tt.shape, tt.stride(), tt.stride(), tt.stride()) == ([60], [[1], [1], [1]])
+    q = torch.empty(8, 3 * 16)[:, :16]
+    assert lab.merged_layout(q.shape, q.stride(), (16, 1), (16, 1)) == ([8, 16], [[48, 1], [16, 1], [16, 1]])
+    e = torch.empty(1, 16).expand(8, 16)
+    assert lab.merged_layout(e.shape, e.stride(), (16, 1), (16, 1)) == ([8, 16], [[0, 1], [16, 1], [16, 1]])
+    assert lab.merged_layout((), (), (), ()) == ([], [[], [], []])
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda t: t.triton_add(torch.ones(3, 4), torch.ones(4)), ValueError, "no broadcasting"),
+    (lambda t: t.triton_add(torch.ones(4), torch.ones(4), torch.ones(5)), ValueError, "one shape"),
+    (lambda t: t.triton_add(torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)), TypeError,
+     "float32, float16, bfloat16"),
+    (lambda t: t.triton_add(torch.ones(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32)), TypeError, "one of"),
+    (lambda t: t.triton_add(torch.ones(4), torch.ones(4, dtype=torch.float16)), TypeError, "one dtype"),
+    (lambda t: t.triton_add([1.0], torch.ones(1)), TypeError, "x must be a torch.Tensor"),
+    (lambda t: t.triton_add(torch.ones(1), torch.ones(1), "out"), TypeError, "out must be a torch.Tensor"),
+    (lambda t: t.triton_add(torch.ones(3, 4), torch.ones(3, 4), torch.ones(1, 4).expand(3, 4)), ValueError,
+     "elements of out share memory"),
+    (lambda t: (lambda a: t.triton_add(a[1:], a[1:], a[:-1]))(torch.ones(9)), ValueError, "out overlaps x"),
+    (lambda t: (lambda a: t.triton_add(a[::2], a[1::2], a[:5]))(torch.ones(10)), ValueError, "out overlaps x"),
+    (lambda t: t.triton_add_rows(torch.ones(4, 3).T, torch.ones(3, 4), torch.ones(3, 4)), ValueError,
+     "rows are contiguous"),
+    (lambda t: t.triton_add_rows(torch.ones(2, 3, 4), torch.ones(2, 3, 4), torch.ones(2, 3, 4)), ValueError,
+     "2-D tensors"),
+    (lambda t: t.triton_add_rows(torch.ones(2, 3), torch.ones(3, 2), torch.ones(2, 3)), ValueError, "one shape"),
+])
+def test_unsupported_inputs_are_clear_errors(lab, call, error, words):
+    with pytest.raises(error, match=words):
+        call(lab)
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(lab, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on a GPU"):
+        lab.triton_add(torch.ones(4), torch.ones(4))
+
+
+def test_rows_kernel_layouts(lab, capsys):
+    lab.check_rows("triton_add_rows", lab.triton_add_rows)
+    x = torch.randn(6, 3 * 40)[:, 40:80]
+    assert torch.equal(lab.triton_add_rows(x, x, torch.empty(6, 40)), x + x)
+    assert "PASS" in capsys.readouterr().out
+
+
+# --- the graders --------------------------------------------------------------------------------
+
+ADD_ALT = """start = tl.program_id(0) * BLOCK
+idx = start + tl.arange(0, BLOCK)
+ok = idx < n
+x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+tl.store(out_ptr + idx, x + tl.load(y_ptr + idx, mask=ok, other=0.0), mask=ok)"""
+ADD_BODY = """pid = tl.program_id(0)
+offsets = pid * BLOCK + tl.arange(0, BLOCK)
+mask = offsets < n
+tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load({y}_ptr + offsets, mask=mask), mask=mask)"""
+ROWS_BODY = """pid = tl.program_id(0)
+row = pid {div} blocks_per_row
+cols = (pid {mod} blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+mask = cols < n_cols
+x = tl.load(x_ptr + row * {xs} + cols, mask=mask)
+y = tl.load(y_ptr + row * y_row_stride + cols, mask=mask)
+tl.store(out_ptr + row * {os} + cols, x + y, mask={m})"""
+ROWS = dict(div="//", mod="%", xs="x_row_stride", os="out_row_stride", m="mask")
+ROWS_ALT = """pid = tl.program_id(0)
+row = pid // blocks_per_row
+cols = (pid - row * blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+x_ptr += row * x_row_stride
+y_ptr += row * y_row_stride
+out_ptr += row * out_row_stride
+mask = cols < n_cols
+tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=mask) + tl.load(y_ptr + cols, mask=mask), mask=mask)"""
+
+GRADER = {   # exercise -> (how to grade a loaded module, [other correct answers], [(wrong answer, words of its hint)])
+    "1.2": (lambda m: m.check_add("triton_add", m.triton_add, dtypes=(torch.float32, torch.float16)),
+            [ADD_ALT],
+            [(ADD_BODY.format(y="y").replace(", mask=mask)", ")"), "mask the store"),
+             (ADD_BODY.format(y="y").replace("pid * BLOCK + ", ""), "must start at element pid \\* BLOCK"),
+             (ADD_BODY.format(y="x"), "store the sum of the loaded x and y"),
+             (ADD_BODY.format(y="y").replace("offsets < n", "offsets < n - 1"), "was never written")]),
+    "1.3": (lambda m: m.check_q_strides(m.predict_q_strides),
+            ["shape = (batch, seq, 3 * heads * head_dim)\n"
+             "qkv = torch.empty(shape)[..., :heads * head_dim]\n"
+             "return qkv.view(batch, seq, heads, head_dim).transpose(1, 2).stride()",
+             "row = 3 * heads * head_dim\nreturn [seq * row, head_dim, row, 1]"],
+            [("return (heads * seq * head_dim, seq * head_dim, head_dim, 1)", "strides of a contiguous"),
+             ("e = heads * head_dim\nreturn (seq * e, head_dim, e, 1)", "3\\*E long"),
+             ("e = 3 * heads * head_dim\nreturn (seq * e, e, head_dim, 1)", "before transpose")]),
+    "1.4": (lambda m: m.check_rows("triton_add_rows", m.triton_add_rows),
+            [ROWS_ALT],
+            [(ROWS_BODY.format(**{**ROWS, "os": "x_row_stride"}), "out's rows are out_row_stride apart"),
+             (ROWS_BODY.format(**{**ROWS, "xs": "n_cols"}), "x's rows are x_row_stride apart"),
+             (ROWS_BODY.format(**{**ROWS, "m": "None"}), "mask the columns"),
+             (ROWS_BODY.format(**{**ROWS, "div": "%", "mod": "//"}), "was never written")]),
+}
+
+
+@pytest.mark.parametrize("exercise", GRADER)
+def test_reference_and_other_correct_answers_pass(exercise, interpreter, capsys):
+    grade, others, _ = GRADER[exercise]
+    grade(interpreter())
+    for answer in others:
+        grade(interpreter({exercise: answer}))
+    assert capsys.readouterr().out.count("PASS") == 1 + len(others)
+
+
+@pytest.mark.parametrize("exercise, wrong, hint", [(e, w, h) for e, (_, _, ws) in GRADER.items() for w, h in ws])
+def test_known_wrong_answers_fail_with_their_hint(exercise, wrong, hint, interpreter):
+    with pytest.raises(ExerciseFailed, match=hint):
+        GRADER[exercise][0](interpreter({exercise: wrong}))
+
+
+# 1.1 compiles the port: it needs hipcc (CI requires it)
+needs_hipcc = pytest.mark.skipif(not isa.shutil.which("hipcc") and "hipcc" not in isa.required_tools(),
+                                 reason="hipcc is not installed (apt-get install hipcc)")
+LAUNCH = "saxpy<<<(n + 255) / 256, 256>>>(n, 2.0f, x, y);"
+GGL = lambda port: port.replace(LAUNCH, "hipLaunchKernelGGL(saxpy, dim3((n + 255) / 256), dim3(256), 0, 0, n, 2.0f, x, y);")
+PORT_WRONG = [   # (what it does to the reference port, words of the hint)
+    (lambda p: p.replace("hipMalloc(&x", "cudaMalloc(&x"), "cudaMalloc is CUDA's name; HIP's is hipMalloc"),
+    (lambda p: p.replace("a * x[i] + y[i]", "a * x[i]"), "saxpy computes y\\[i\\] = a \\* x\\[i\\] \\+ y\\[i\\]"),
+    (lambda p: p.replace("hipMemcpy(hy.data(), y, n * sizeof(float), hipMemcpyDeviceToHost);", ""),
+     "calls hipMemcpy 3 times, yours 2"),
+    (lambda p: p.replace(LAUNCH, ""), "saxpy is never launched"),
+]
+
+
+def _grade_port(interpreter, change):
+    ref = interpreter()
+    source = change(ref.saxpy_hip())
+    assert source != ref.saxpy_hip() or change is _same
+    module = interpreter({"1.1": f'return r"""{source}"""'})
+    module.compile_port = ref.compile_port          # one hipcc cache for all answers (hipify's port compiles once)
+    module.check_hip_port(module.saxpy_hip(), module.SAXPY_CU)
+
+
+def _same(port):
+    return port
+
+
+@needs_hipcc
+@pytest.mark.parametrize("change", [_same, GGL], ids=["reference", "hipLaunchKernelGGL"])
+def test_hip_port_passes(change, interpreter, capsys):
+    _grade_port(interpreter, change)
+    assert "PASS: main makes every runtime call hipify's port makes" in capsys.readouterr().out
+
+
+@needs_hipcc
+@pytest.mark.parametrize("change, hint", PORT_WRONG, ids=["cuda name", "kernel changed", "no copy back", "no launch"])
+def test_hip_port_wrong_answers_fail_with_their_hint(change, hint, interpreter):
+    with pytest.raises(ExerciseFailed, match=hint):
+        _grade_port(interpreter, change)
+
+
+@needs_hipcc
+def test_the_lab_grades_answers_as_a_learner_runs_it(tmp_path, build_dir, interpreter):
+    """The generated lab with the hipLaunchKernelGGL port for 1.1 and an unmasked store in 1.2: 1.1 passes
+    and Run All stops at 1.2 with its hint."""
+    port = GGL(interpreter().saxpy_hip())
+    nb, error = run_lab_with("01", {"1.1": f'return r"""{port}"""', "1.2": GRADER["1.2"][2][0][0]}, tmp_path)
+    assert "PASS: exercise 1.1 (port SAXPY to HIP by hand)" in stream_text(nb)
+    assert error is not None and error[0] == "ExerciseFailed" and "mask the store" in error[1]
+    assert [e for e, _ in errors(nb)] == ["ExerciseFailed"]
+
+
+# --- on a GPU (make test-gpu): the full grids, and the hand-written kernels -----------------------
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+SIZES = [1, 17, 97, 1024, 4099, 2**20 + 3]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The exported module with compiled (not interpreted) kernels."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        return solutions.load("01")
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture(scope="module")
+def hand(compiled):
+    """The hand-written CUDA/HIP kernels and their binding, built with load_inline."""
+    return compiled.build_hand_kernels()
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_gpu_triton_add_full_grid(compiled, no_interpreter, n, dtype, capsys):
+    compiled.check_add("triton_add", compiled.triton_add, sizes=(n,), dtypes=(dtype,), device="cuda")
+    compiled.check_layouts("triton_add", compiled.triton_add, device="cuda", dtype=dtype, n=n)
+    assert capsys.readouterr().out.count("PASS") == 1 + len(compiled.layouts())
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_triton_add_past_2_31_elements(compiled, no_interpreter):
+    """Offsets past 2**31: the index space itself, and a strided view whose reach passes it."""
+    n = 2**31 + 5
+    if torch.cuda.mem_get_info()[0] < 7 * n * 2:
+        pytest.skip("needs about 30 GB of free GPU memory")
+    x, y = torch.randn(n, dtype=torch.float16, device="cuda"), torch.randn(n, dtype=torch.float16, device="cuda")
+    out = compiled.triton_add(x, y)
+    assert torch.equal(out, x + y)
+    del out
+    out = compiled.triton_add(x[::2], y[1::2])
+    assert torch.equal(out, x[::2] + y[1::2])
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_rows_kernel_grid(compiled, no_interpreter, dtype, capsys):
+    compiled.check_rows("triton_add_rows", compiled.triton_add_rows, device="cuda", dtype=dtype,
+                        cases=((1, 1), (3, 17), (5, 97), (2, 1100), (7, 33), (64, 4096), (1000, 4099), (3, 65537)))
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("kernel", ["add_naive", "add_vec4"])
+@pytest.mark.parametrize("n", SIZES)
+def test_gpu_hand_kernels_full_grid(compiled, hand, kernel, n, capsys):
+    fn = getattr(hand, kernel)
+    compiled.check_add(kernel, fn, block=256, sizes=(n,), device="cuda")
+    compiled.check_layouts(kernel, fn, device="cuda", n=n)
+    a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    want = a + b
+    assert fn(a, b, a) is not None and torch.equal(a, want)             # in place
+    assert capsys.readouterr().out.count("PASS") == 1 + len(compiled.layouts())
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("kernel", ["add_naive", "add_vec4"])
+@pytest.mark.parametrize("args, error, words", [
+    (lambda: [torch.ones(4, device="cuda", dtype=torch.float16)] * 3, TypeError, "float32"),
+    (lambda: [torch.ones(4), torch.ones(4, device="cuda"), torch.ones(4, device="cuda")], ValueError, "one GPU"),
+    (lambda: [torch.ones(3, 4, device="cuda"), torch.ones(4, device="cuda"), torch.ones(3, 4, device="cuda")],
+     ValueError, "one shape"),
+    (lambda: [torch.ones(3, 4, device="cuda"), torch.ones(3, 4, device="cuda"),
+              torch.ones(1, 4, device="cuda").expand(3, 4)], ValueError, "share memory"),
+    (lambda: (lambda a: [a[1:], a[1:], a[:-1]])(torch.ones(9, device="cuda")), ValueError, "overlaps an input"),
+])
+def test_gpu_hand_kernels_say_what_they_support(hand, kernel, args, error, words):
+    with pytest.raises(error, match=words):
+        getattr(hand, kernel)(*args())

@@ -1,0 +1,346 @@
+"""Lab 03 (BF16 matmul): `triton_matmul` and `persistent_matmul` right on every layout, dtype and precision,
+clear errors for what they do not take, and the graders of exercises 3.1-3.5 (reference, alternative and
+known-wrong answers).
+
+Without a GPU the kernels run in Triton's interpreter on a seeded covering grid (sizes 1, 17, 97; each layout
+once; each dtype once); the full grid is behind `@pytest.mark.gpu` (`make test-gpu`)."""
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+
+from grading import errors, run_lab_with, stream_text
+from utils import exercises, solutions
+from utils.exercises import ExerciseFailed
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Without a GPU, Triton's interpreter for the whole module (kernels defined and called under it)."""
+    if GPU:
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def load(answers=None, stubs=False):
+    """The lab's exported cells, with `answers`; imported again if another test imported it compiled."""
+    module = solutions.load("03", answers=answers, stubs=stubs)
+    if not GPU and type(module.matmul_kernel).__name__ != "InterpretedFunction":
+        sys.modules.pop(module.__name__)
+        module = solutions.load("03", answers=answers, stubs=stubs)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lab():
+    return load()
+
+
+# --- the kernel on real inputs ----------------------------------------------------------------------
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, "ieee": 1e-5, "tf32": 2e-3}
+
+
+def operand(rows, cols, layout, dtype, gen):
+    """A rows x cols operand in `layout`: contiguous, transposed (a view of its transpose), sliced (every
+    other row of a wider matrix, from an offset) or expanded (stride 0 along the rows)."""
+    base = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE, dtype)   # views are taken after .to
+    if layout == "transposed":
+        return base(cols, rows).T
+    if layout == "sliced":
+        return base(2 * rows + 1, cols + 7)[1::2, 3:cols + 3]
+    if layout == "expanded":
+        return base(1, cols).expand(rows, cols)
+    return base(rows, cols)
+
+
+def run_case(lab, m, n, k, a_layout, b_layout, dtype, precision, seed, matmul="triton_matmul"):
+    gen = torch.Generator().manual_seed(seed)
+    a, b = operand(m, k, a_layout, dtype, gen), operand(k, n, b_layout, dtype, gen)
+    for t, layout in ((a, a_layout), (b, b_layout)):
+        assert layout != "expanded" or t.stride(0) == 0
+        assert layout != "sliced" or (t.stride(0) == 2 * t.stride(1) * (t.shape[1] + 7) and t.storage_offset() > 0)
+        assert layout != "transposed" or t.stride(0) == 1 or t.shape[0] == 1
+    c = getattr(lab, matmul)(a, b, input_precision=precision)
+    assert c.shape == (m, n) and c.dtype == dtype and c.is_contiguous()
+    ref = a.double() @ b.double()
+    err = ((c.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    tol = TOLERANCE[(precision or "ieee") if dtype == torch.float32 else dtype]   # None: torch's "highest"
+    assert err < tol, f"{m}x{n}x{k} a {a_layout} b {b_layout} {dtype} {precision}: relative error {err:.2e} > {tol}"
+    return err
+
+
+# every size of {1, 17, 97} as M, N and K at least once; every layout on each side; every dtype/precision
+COVERING = [
+    (1, 17, 97, "contiguous", "transposed", torch.bfloat16, None),
+    (17, 97, 1, "transposed", "contiguous", torch.float16, None),
+    (97, 1, 17, "sliced", "sliced", torch.float32, "ieee"),
+    (17, 17, 97, "expanded", "transposed", torch.float32, "tf32"),
+    (97, 97, 17, "contiguous", "expanded", torch.bfloat16, None),
+    (1, 1, 1, "transposed", "transposed", torch.float32, None),
+    (97, 17, 97, "sliced", "contiguous", torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("case", COVERING, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{c[4]}-{str(c[5])[6:]}-{c[6]}")
+def test_covering_grid(lab, case):
+    run_case(lab, *case, seed=sum(case[:3]))
+
+
+@pytest.mark.parametrize("case", COVERING[:4], ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{c[4]}-{str(c[5])[6:]}-{c[6]}")
+def test_covering_grid_persistent(lab, case):
+    run_case(lab, *case, seed=sum(case[:3]) + 1, matmul="persistent_matmul")
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's run of the TMA kernel; on a GPU the full grid covers it")
+@pytest.mark.parametrize("m, n, k, a_t, b_t, split", [(100, 72, 96, False, False, False), (64, 132, 36, True, False, True),
+                                                      (17, 64, 40, False, True, True), (4, 8, 16, True, True, False)])
+def test_tma_kernel_in_the_interpreter(lab, m, n, k, a_t, b_t, split):
+    """The TMA kernel's tile walk, transposes and split epilogue, on FP32 descriptors (ragged edges: zero fill)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(k, m, generator=gen).T if a_t else torch.randn(m, k, generator=gen)
+    b = torch.randn(n, k, generator=gen).T if b_t else torch.randn(k, n, generator=gen)
+    c = torch.full((m, n), float("nan"))
+    (av, at), (bv, bt) = lab.tma_view(a), lab.tma_view(b)
+    assert (at, bt) == (a_t, b_t)
+    bm, bn, bk = 32, 32, 16
+    descs = (TensorDescriptor.from_tensor(av, [bk, bm] if at else [bm, bk]),
+             TensorDescriptor.from_tensor(bv, [bn, bk] if bt else [bk, bn]),
+             TensorDescriptor.from_tensor(c, [bm, bn // 2 if split else bn]))
+    lab.tma_matmul_kernel[(3,)](*descs, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=2, PROGRAMS=3,
+                                A_T=at, B_T=bt, SPLIT_EPILOGUE=split)
+    torch.testing.assert_close(c, a @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_tma_view_takes_only_what_tma_can_read(lab):
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    assert lab.tma_view(x)[1] is False and lab.tma_view(x.T)[1] is True
+    assert lab.tma_view(x[:, 1:]) is None                       # base 2 bytes off 16-byte alignment
+    assert lab.tma_view(torch.randn(64, 100, dtype=torch.bfloat16)) is None   # rows of 200 bytes
+    assert lab.tma_view(x[:1].expand(64, 512)) is None          # stride 0
+
+
+def test_fp32_default_follows_torch_and_tf32_is_visible(lab):
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(97, 65, generator=gen).to(DEVICE), torch.randn(65, 33, generator=gen).to(DEVICE)
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        highest = lab.triton_matmul(a, b)
+        torch.set_float32_matmul_precision("high")
+        high = lab.triton_matmul(a, b)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert torch.equal(highest, lab.triton_matmul(a, b, input_precision="ieee"))
+    assert torch.equal(high, lab.triton_matmul(a, b, input_precision="tf32"))
+    ref = a.double() @ b.double()
+    err = lambda c: ((c.double() - ref).norm() / ref.norm()).item()
+    assert err(highest) < 1e-6 and 1e-5 < err(high) < 2e-3
+
+
+def test_tf32_where_there_is_none(lab, monkeypatch):
+    monkeypatch.setattr(lab, "has_tf32", lambda device: False)
+    a = torch.randn(8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="no TF32 matrix units.*sm_80.*gfx942.*'ieee'"):
+        lab.triton_matmul(a, a, input_precision="tf32")
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")      # "high" allows TF32; without it, full FP32
+        assert lab.resolve_precision(None, torch.float32, a.device) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert lab.resolve_precision("tf32", torch.bfloat16, a.device) == "ieee"   # BF16 goes in as it is
+
+
+@pytest.mark.parametrize("a, b, message", [
+    (torch.randn(3, 4), torch.randn(5, 6), "a is 3x4 and b is 5x6: a's columns must equal b's rows"),
+    (torch.randn(3, 4).half(), torch.randn(4, 5), "a is torch.float16 and b is torch.float32"),
+    (torch.randn(2, 3, 4), torch.randn(4, 5), r"a has shape \(2, 3, 4\): triton_matmul multiplies 2-D"),
+    (torch.randn(3, 4).double(), torch.randn(4, 5).double(), "takes bfloat16, float16 or float32"),
+    (torch.ones(3, 4, dtype=torch.int32), torch.ones(4, 5, dtype=torch.int32), "takes bfloat16"),
+    (torch.randn(3, 4), torch.randn(4, 5, device="meta"), "a is on cpu and b on meta"),
+    (torch.randn(3, 4), [[1.0]] * 4, "b must be a torch.Tensor, not list"),
+], ids=["shapes", "dtypes", "3-D", "float64", "int32", "devices", "not-a-tensor"])
+def test_clear_errors(lab, a, b, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        lab.triton_matmul(a, b)
+
+
+def test_bad_precision_and_cpu_tensors_when_compiled(lab, monkeypatch):
+    a = torch.randn(4, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="input_precision='fp8'.*'ieee'.*'tf32'"):
+        lab.triton_matmul(a, a, input_precision="fp8")
+    monkeypatch.setattr(lab, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="compiled Triton kernels run on a GPU.*TRITON_INTERPRET=1"):
+        lab.triton_matmul(torch.randn(4, 4), torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("matmul", ["triton_matmul", "persistent_matmul"])
+def test_empty_shapes(lab, matmul):
+    fn = getattr(lab, matmul)
+    assert fn(torch.randn(0, 5, device=DEVICE), torch.randn(5, 3, device=DEVICE)).shape == (0, 3)
+    zeros = fn(torch.randn(4, 0, device=DEVICE), torch.randn(0, 3, device=DEVICE))
+    assert zeros.shape == (4, 3) and not zeros.any()
+    with pytest.raises(ValueError, match="a's columns must equal b's rows"):
+        fn(torch.randn(3, 4, device=DEVICE), torch.randn(5, 6, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+def test_full_grid_on_gpu(lab):
+    """Every layout pair x dtype/precision x awkward and large sizes (make test-gpu)."""
+    sizes = [(1, 17, 97), (17, 97, 1), (97, 97, 97), (1000, 1000, 1000), (127, 4096, 129), (4096, 4096, 4096)]
+    layouts = ["contiguous", "transposed", "sliced", "expanded"]
+    precisions = [(torch.bfloat16, None), (torch.float16, None), (torch.float32, "ieee")]
+    if lab.has_tf32(torch.device("cuda")):
+        precisions.append((torch.float32, "tf32"))
+    failures, count = [], 0
+    for matmul in ("triton_matmul", "persistent_matmul"):
+        for (m, n, k), la, lb, (dtype, p) in itertools.product(sizes, layouts, layouts, precisions):
+            count += 1
+            try:
+                run_case(lab, m, n, k, la, lb, dtype, p, seed=count, matmul=matmul)
+            except AssertionError as err:
+                failures.append(f"{matmul}: {err}")
+    print(f"full grid: {count - len(failures)} of {count} cases pass")
+    assert not failures, failures[:10]
+
+
+# --- graders: reference, alternative and known-wrong answers -------------------------------------------
+
+def fails_with(fn, *hint):
+    with pytest.raises(ExerciseFailed) as err:
+        fn()
+    for part in hint:
+        assert part in str(err.value), str(err.value)
+
+
+def test_grader_3_1_intensity(lab):
+    lab.check_intensity(lab.intensity)
+    alt = load({"3.1": "return matmul_flops(n, n, n) / matmul_bytes(n, n, n)"})
+    lab.check_intensity(alt.intensity)
+    fails_with(lambda: lab.check_intensity(lambda n: n / 6), "half the answer")
+    fails_with(lambda: lab.check_intensity(lambda n: 2 * n**3 / (2 * 2 * n**2)), "C is written too")
+    fails_with(lambda: lab.check_intensity(lambda n: n**3 / (4 * 3 * n**2)), "FP32's 4 bytes")
+
+
+K_LOOP_ALTERNATIVE = """
+k0 = k * BLOCK_K                      # index arithmetic from the base pointers instead of moving them
+a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+            mask=(k0 + offs_k)[None, :] < K, other=0.0)
+b = tl.load(b_ptr + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            mask=(k0 + offs_k)[:, None] < K, other=0.0)
+"""
+K_LOOP = """
+a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+a_ptrs += BLOCK_K * stride_ak
+b_ptrs += BLOCK_K * stride_bk
+"""
+K_LOOP_WRONG = {
+    "pointers never move": (K_LOOP.replace("a_ptrs += BLOCK_K * stride_ak\nb_ptrs += BLOCK_K * stride_bk\n", ""),
+                            "several K steps", "move both pointers"),
+    "off-by-one mask": (K_LOOP.replace(" < K - k", " <= K - k"), "ragged last K step", "NaN in C", "strictly less"),
+    "A's loads unmasked": (K_LOOP.replace(", mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0", ""), "NaN in C"),
+    "moves by BLOCK_K, not the stride": (K_LOOP.replace("BLOCK_K * stride_ak", "BLOCK_K"), "transposed inputs",
+                                         "BLOCK_K * stride_ak"),
+}
+
+
+def test_grader_3_2_k_loop(lab):
+    lab.check_matmul(lab.triton_matmul, DEVICE)
+    lab.check_matmul(load({"3.2": K_LOOP_ALTERNATIVE}).triton_matmul, DEVICE)
+
+
+@pytest.mark.parametrize("mistake", K_LOOP_WRONG, ids=list(K_LOOP_WRONG))
+def test_grader_3_2_known_wrong(mistake):
+    code, *hint = K_LOOP_WRONG[mistake]
+    wrong = load({"3.2": code})
+    fails_with(lambda: wrong.check_matmul(wrong.triton_matmul, DEVICE), *hint)
+
+
+def test_grader_3_3_prediction(lab):
+    measured = {"gfx942": 32, "sm_90": 4}   # what the lab's builds count (its notebook checks the same)
+    lab.check_instruction_prediction(lab.matrix_instructions_per_k_step(), measured)
+    alt = load({"3.3": 'return {"sm_90": 2 * 2, "gfx942": 4 * 8}'})
+    lab.check_instruction_prediction(alt.matrix_instructions_per_k_step(), measured)
+    fails_with(lambda: lab.check_instruction_prediction({"gfx942": 128, "sm_90": 4}, measured), "4 wavefronts share it")
+    fails_with(lambda: lab.check_instruction_prediction({"gfx942": 32, "sm_90": 8}, measured), "2 warp groups")
+    fails_with(lambda: lab.check_instruction_prediction(32, measured), 'return {"gfx942"')
+
+
+TF32_REFERENCE = """
+offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+mask = offs < n
+bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+bits = (bits + 0x1000) & -0x2000
+tl.store(y_ptr + offs, bits.to(tl.float32, bitcast=True), mask=mask)
+"""
+TF32_ALTERNATIVE = """
+offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+u = x.to(tl.uint32, bitcast=True)
+tl.store(y_ptr + offs, ((u + 4096) & 0xFFFFE000).to(tl.float32, bitcast=True), mask=offs < n)
+"""
+TF32_WRONG = {
+    "truncates": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "bits & -0x2000"), "without rounding"),
+    "bfloat16": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x8000) & -0x10000"), "7 mantissa bits"),
+    "store unmasked": (TF32_REFERENCE.replace("bitcast=True), mask=mask)", "bitcast=True))"), "mask the store"),
+}
+
+
+def test_grader_3_4_tf32_rounding(lab):
+    lab.check_tf32_round(lab.tf32_round, DEVICE)
+    alt = load({"3.4": TF32_ALTERNATIVE})
+    lab.check_tf32_round(alt.tf32_round, DEVICE)
+    for code, hint in TF32_WRONG.values():
+        wrong = load({"3.4": code})
+        fails_with(lambda: wrong.check_tf32_round(wrong.tf32_round, DEVICE), hint)
+
+
+def test_grader_3_5_config(lab):
+    lab.check_config(lab.my_config("cuda"), DEVICE)
+    alt = load({"3.5": 'return triton.Config({"GROUP_M": 4, "BLOCK_K": 32, "BLOCK_M": 64, "BLOCK_N": 128}, '
+                       'num_warps=4, num_stages=4)'})
+    lab.check_config(alt.my_config("cuda"), DEVICE)
+    import triton
+    fails_with(lambda: lab.check_config({"BLOCK_M": 64}, DEVICE), "triton.Config(")
+    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 8, "GROUP_M": 8}), DEVICE),
+               "BLOCK_K = 8", "at least 16")
+    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
+               "powers of two")
+    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
+
+
+def test_unfinished_exercises_are_not_done(capsys):
+    lab = load(stubs=True)
+    ex = exercises.Lab("03_test_unfinished")
+    assert ex.grade("3.2", "the K loop", lab.check_matmul, lab.triton_matmul, DEVICE, uses=[lab.matmul_kernel]) is False
+    assert ex.grade("3.4", "TF32", lab.check_tf32_round, lab.tf32_round, DEVICE, uses=[lab.tf32_round_kernel]) is False
+    assert ex.grade("3.1", "intensity", lab.check_intensity, lab.intensity) is False
+    with pytest.raises(NotImplementedError, match="exercise not done: 3.2"):
+        lab.triton_matmul(torch.randn(4, 4), torch.randn(4, 4))
+    assert capsys.readouterr().out.count("NOT DONE: exercise 3.") == 3
+
+
+def test_through_papermill_an_alternative_passes_then_a_wrong_k_loop_stops_with_its_hint(tmp_path, build_dir):
+    nb, error = run_lab_with("03", {"3.1": "return matmul_flops(n, n, n) / matmul_bytes(n, n, n)",
+                                    "3.2": K_LOOP_WRONG["pointers never move"][0]}, tmp_path)
+    text = stream_text(nb)
+    assert "PASS: exercise 3.1 (FLOP per byte of a square matmul)" in text
+    assert error and error[0] == "ExerciseFailed" and "several K steps" in error[1] and "move both pointers" in error[1]
+    assert len(errors(nb)) == 1

@@ -1,0 +1,440 @@
+"""Lab 04: the attention kernel right on every input, its errors, its machine code on both vendors, and the graders.
+
+On a CPU (Triton's interpreter): a seeded covering grid (every head dim, layout, dtype, size and mask), tile shapes,
+the errors, ahead-of-time builds for gfx942 and sm_90 at every head dim (shared memory within each GPU's limit), and
+for every exercise the reference, other right answers and known-wrong ones. On a GPU (`@pytest.mark.gpu`): the full
+grid, every combination, sizes to 4096. Tolerance: flash-attn's rule (`within_tolerance`).
+"""
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+from utils import solutions
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+HEAD_DIMS = (16, 32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 224, 256)    # those public models use
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+if not GPU:
+    # Triton decides at the first import of triton.language whether its own functions are compiled or interpreted:
+    # on a CPU the whole process interprets (as a notebook does), so this is set before anything imports it.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def load(**kwargs):
+    """The lab's exported module: compiled kernels on a GPU, Triton's interpreter on a CPU."""
+    module = solutions.load("04", **kwargs)
+    if not GPU and type(module.flash_attention).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton.language was imported in this process before TRITON_INTERPRET=1 was set: run "
+                           "tests/test_lab04.py in a process of its own (pytest tests/test_lab04.py)")
+    return module
+
+
+@pytest.fixture(scope="module")
+def lab():
+    return load()
+
+
+def run_case(lab, d, layout, dtype, n, causal, batch=2, heads=2, attention=None, **kwargs):
+    """(ok, error, allowed) of one input against the fp32 reference, by flash-attn's rule."""
+    q, k, v = lab.make_inputs(batch, heads, n, d, layout, dtype, DEVICE, seed=zlib.crc32(repr((d, layout, n, causal)).encode()) % 1000)
+    out = (attention or lab.triton_attention)(q, k, v, causal, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    return lab.within_tolerance(out, q, k, v, causal, kwargs.get("sm_scale"))
+
+
+# --- the covering grid (CPU) -------------------------------------------------------------------------
+
+def covering_grid(layouts):
+    """Every head dim twice (masked and not), the layouts, dtypes and sizes cycling through them, so that every
+    value of every dimension and every (layout, mask) pair occurs; plus N=1025 at D=64 in a model's layout."""
+    cases = []
+    for i, d in enumerate(HEAD_DIMS):
+        for j, causal in enumerate((False, True)):
+            k = 2 * i + j
+            cases.append((d, layouts[(k // 2 + j) % len(layouts)], DTYPES[k // 3 % 2], (1, 17, 97)[k % 3], causal))
+    cases += [(64, "model", torch.bfloat16, 1025, False), (64, "model", torch.float16, 1025, True)]
+    return cases
+
+
+def test_the_covering_grid_covers(lab):
+    cases = covering_grid(lab.LAYOUTS)
+    for index, values in ((0, HEAD_DIMS), (1, lab.LAYOUTS), (2, DTYPES), (3, (1, 17, 97, 1025)), (4, (False, True))):
+        assert {c[index] for c in cases} == set(values)
+    assert {(c[1], c[4]) for c in cases} == set(itertools.product(lab.LAYOUTS, (False, True)))
+    assert {(c[3], c[4]) for c in cases} >= set(itertools.product((1, 17, 97), (False, True)))
+
+
+def test_covering_grid(lab, capsys):
+    """Every case within tolerance; prints the pass count (the 1025 cases run one head: the interpreter is slow)."""
+    failed, cases, start = [], covering_grid(lab.LAYOUTS), time.time()
+    for d, layout, dtype, n, causal in cases:
+        size = dict(batch=1, heads=1) if n > 200 else {}
+        ok, err, allowed = run_case(lab, d, layout, dtype, n, causal, **size)
+        if not ok:
+            failed.append(f"D={d} {layout} {dtype} N={n} causal={causal}: error {err:.3g} > {allowed:.3g}")
+    with capsys.disabled():
+        print(f"\nlab 04 covering grid ({DEVICE}): {len(cases) - len(failed)} of {len(cases)} pass "
+              f"in {time.time() - start:.0f} s")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("tiles", [dict(BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=32, BLOCK_N=16),
+                                   dict(BLOCK_M=64, BLOCK_N=64), dict(BLOCK_M=128, BLOCK_N=64)],
+                         ids=lambda t: f"{t['BLOCK_M']}x{t['BLOCK_N']}")
+def test_tile_shapes_the_gpus_use(lab, tiles):
+    """The causal split is right whatever the ratio of BLOCK_M to BLOCK_N, ragged or not."""
+    for n, causal in ((200, True), (200, False), (128, True)):
+        ok, err, allowed = run_case(lab, 64, "contiguous", torch.bfloat16, n, causal, batch=1, heads=1,
+                                    attention=lab.portable_attention, config=tiles)
+        assert ok, f"N={n} causal={causal}: {err:.3g} > {allowed:.3g}"
+
+
+@pytest.mark.parametrize("sm_scale", [0.05, 1.0, -0.3, 0])
+def test_sm_scale(lab, sm_scale):
+    ok, err, allowed = run_case(lab, 48, "contiguous", torch.bfloat16, 33, True, sm_scale=sm_scale)
+    assert ok, f"{err:.3g} > {allowed:.3g}"
+
+
+def test_large_scores_and_a_huge_stride(lab):
+    """Scores of hundreds (the running max must keep exp2 finite), and a row stride too large for 32-bit tile
+    offsets (the wrapper copies that tensor)."""
+    q, k, v = lab.make_inputs(1, 2, 50, 64, "contiguous", torch.bfloat16, DEVICE, seed=3)
+    q = (q * 30).to(torch.bfloat16)
+    ok, err, allowed = lab.within_tolerance(lab.triton_attention(q, k, v, True), q, k, v, True)
+    assert ok, f"{err:.3g} > {allowed:.3g}"
+    wide = torch.randn(1, 1, 3, lab.BIG_STRIDE + 64, dtype=torch.bfloat16, device=DEVICE)
+    q = k = v = wide[..., :64]
+    ok, err, allowed = lab.within_tolerance(lab.triton_attention(q, k, v), q, k, v)
+    assert ok, f"{err:.3g} > {allowed:.3g}"
+
+
+@pytest.mark.parametrize("d, layout, n, causal", [(80, "model", 97, True), (64, "kv_broadcast", 17, False),
+                                                 (256, "head_dim_slice", 1, True), (40, "contiguous", 70, False)])
+def test_the_tma_kernel(lab, d, layout, n, causal):
+    """`flash_attention_tma` (tensor descriptors; zeros past the tensor's end and head dim, clipped stores) on a few
+    awkward inputs: under the interpreter on a CPU, on the GPU's TMA unit on an H100."""
+    if GPU and lab.why_not_hopper(*lab.make_inputs(1, 2, n, d, layout, device=DEVICE)) is not None:
+        pytest.skip("the TMA path needs compute capability 9.x")
+    ok, err, allowed = run_case(lab, d, layout, torch.bfloat16, n, causal, batch=1, heads=2,
+                                attention=lab.hopper_attention, config=None if GPU else dict(BLOCK_M=32, BLOCK_N=16))
+    assert ok, f"{err:.3g} > {allowed:.3g}"
+
+
+def test_empty_inputs(lab):
+    for shape in ((1, 2, 0, 64), (0, 2, 5, 64)):
+        x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        assert lab.triton_attention(x, x, x, True).shape == shape
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+def bad_inputs():
+    x = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    return [
+        ("fp32", (x.float(), x.float(), x.float()), {}, "torch.bfloat16 or all torch.float16"),
+        ("mixed dtypes", (x, x.half(), x), {}, "torch.bfloat16 or all torch.float16"),
+        ("int", (x.int(), x.int(), x.int()), {}, "torch.bfloat16"),
+        ("head dim 20", (x[..., :20],) * 3, {}, "multiple of 8 from 16 to 256"),
+        ("head dim 8", (x[..., :8],) * 3, {}, "multiple of 8 from 16 to 256"),
+        ("head dim 264", (torch.zeros(1, 1, 4, 264, dtype=torch.bfloat16, device=DEVICE),) * 3, {}, "from 16 to 256"),
+        ("3-D", (x[0], x[0], x[0]), {}, "must be 4-D"),
+        ("shapes", (x, x[:, :1], x[:, :1]), {}, "must have one shape"),
+        ("lengths", (x, x[:, :, :4], x[:, :, :4]), {}, "must have one shape"),
+        ("devices", (x, x.to("meta"), x.to("meta")), {}, "on one device"),
+        ("not a tensor", (x.tolist(), x, x), {}, "must be a torch.Tensor"),
+        ("causal", (x, x, x), {"causal": "yes"}, "causal='yes' must be True or False"),
+        ("sm_scale nan", (x, x, x), {"sm_scale": float("nan")}, "must be a finite number"),
+        ("sm_scale str", (x, x, x), {"sm_scale": "0.1"}, "must be a finite number"),
+        ("sm_scale bool", (x, x, x), {"sm_scale": True}, "must be a finite number"),
+        ("grad", (x.clone().requires_grad_(), x, x), {}, "forward only"),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+def test_unsupported_inputs_raise_a_clear_value_error(lab, case):
+    _, args, kwargs, message = case
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lab.triton_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(BLOCK_M=32, BLOCK_N=64), "multiple of BLOCK_N"), (dict(BLOCK_M=48, BLOCK_N=16), "power of two"),
+    (dict(BLOCK_M=8, BLOCK_N=8), "power of two from 16"), (dict(BLOCK_M=64), "must be a dict with BLOCK_M and BLOCK_N"),
+    (dict(BLOCK_M=64, BLOCK_N=32, num_warps=3), "num_warps=3 must be a power of two"),
+    (dict(BLOCK_M=64, BLOCK_N=32, stages=2), "unknown keys"), (None, "must be a dict"),
+])
+def test_bad_tiles_raise_a_clear_value_error(lab, config, message):
+    with pytest.raises(ValueError, match=message):
+        lab.check_config(config)
+
+
+# --- machine code: every head dim fits both vendors' GPUs ---------------------------------------------
+
+AOT = textwrap.dedent("""
+    import json, sys
+    from utils import solutions
+    lab = solutions.load("04")
+    target, tma = sys.argv[1].split("+")[0], sys.argv[1].endswith("+tma")
+    out = {}
+    for d in json.loads(sys.argv[2]):
+        for causal in (True, False) if d in (128, 256) else (True,):
+            compiled, shared = lab.compile_attention(target, d, causal=causal, tma=tma)
+            text = compiled["amdgcn" if target.startswith("gfx") else "ptx"].text
+            out[f"{d}{'' if causal else ' full'}"] = [shared, text.count("v_mfma") + text.count("wgmma.mma_async")]
+    print(json.dumps(out))
+""")
+
+
+def test_every_head_dim_compiles_for_gfx942_and_sm_90_within_shared_memory(lab, tmp_path):
+    """Triton's ahead-of-time compiler, no GPU: the tiles the wrappers launch first fit an MI300X's 64 KiB of LDS
+    (portable kernel) and an H100's 227 KiB of shared memory per block (portable and TMA kernels), for every head dim,
+    and use the matrix instructions. The three builds run at once, each in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(solutions.report.REPO_ROOT), env.get("PYTHONPATH", "")])
+    script = tmp_path / "aot.py"
+    script.write_text(AOT)
+    procs = {t: subprocess.Popen([sys.executable, str(script), t, json.dumps(HEAD_DIMS)], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for t in ("gfx942", "sm_90", "sm_90+tma")}
+    for target, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, stderr[-3000:]
+        built = json.loads(stdout.strip().splitlines()[-1])
+        assert len(built) == len(HEAD_DIMS) + 2
+        for d, (shared, matrix) in built.items():
+            assert 0 < shared <= lab.SHARED_LIMIT[target.split("+")[0]], f"{target} D={d}: {shared} bytes"
+            assert matrix > 0, f"{target} D={d}: no matrix instructions"
+
+
+# --- the exercises' graders ----------------------------------------------------------------------------
+
+def grade(lab_module, checker, *args):
+    """Run a checker; returns None (passed) or the failure's message."""
+    from utils.exercises import ExerciseFailed
+
+    try:
+        getattr(lab_module, checker)(*args)
+    except ExerciseFailed as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Naive attention's peak memory, measured as the lab measures it."""
+    ref = load()
+    out = []
+    for n in (64, 96):
+        q, k, v = (torch.randn(1, 2, n, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
+        out.append((1, 2, n, ref.peak_extra_bytes(lambda: ref.naive_attention(q, k, v), DEVICE)))
+    return out
+
+
+PREDICTIONS = {
+    "reference": None,
+    "alternative": "return 2 * batch * heads * n * n + 2 * (4 * batch * heads * n * n)",
+    "wrong: bf16 probabilities instead of the fp32 copy": "return batch * heads * n * n * (2 + 4 + 2)",
+    "wrong: the scores alone": "return 2 * batch * heads * n * n",
+    "wrong: N x d": "return 2 * batch * heads * n * 64",
+    "wrong: not a number": "return None",
+}
+
+
+@pytest.mark.parametrize("name", PREDICTIONS)
+def test_grader_4_1(name, measured):
+    answer = PREDICTIONS[name]
+    module = load(answers={"4.1": answer}) if answer else load()
+    failure = grade(module, "check_prediction", module.predict_peak_bytes, measured)
+    if name.startswith("wrong"):
+        assert failure and "per score" in failure and "N x N tensors alive" in failure
+    else:
+        assert failure is None
+
+
+ONLINE_SOFTMAX = {
+    "reference": None,
+    "alternative: dot accumulates, other order": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new""",
+    "alternative: natural exp": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp((s - m_new[:, None]) * 0.6931471805599453)
+        alpha = tl.exp((m_i - m_new) * 0.6931471805599453)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new""",
+    "wrong: no rescale by alpha": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = acc + tl.dot(p.to(v.dtype), v)
+        m_i = m_new""",
+    "wrong: softmax scale (exp of log2 units)": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new""",
+    "wrong: running max never kept": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)""",
+    "wrong: l_i not rescaled": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new""",
+}
+
+
+@pytest.mark.parametrize("name", ONLINE_SOFTMAX)
+def test_grader_4_2(name):
+    answer = ONLINE_SOFTMAX[name]
+    module = load(answers={"4.2": answer}) if answer else load()
+    failure = grade(module, "check_attention", module.portable_attention, DEVICE)
+    if name.startswith("wrong"):
+        assert failure and "check the new running max" in failure
+    else:
+        assert failure is None
+
+
+CAUSAL = {
+    "reference": None,
+    "alternative: every block masked, one loop": """
+        end = tl.minimum(start_m * BLOCK_M + BLOCK_M, n_ctx)
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, end, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, True, True)""",
+    "wrong: the diagonal unmasked": """
+        below = start_m * BLOCK_M
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, below, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, False, True)
+        end = tl.minimum(below + BLOCK_M, n_ctx)
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, below, end, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, True, False)""",
+    "wrong: the diagonal skipped": """
+        below = start_m * BLOCK_M
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, below, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, False, True)""",
+    "wrong: no causal mask at all": """
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, n_ctx, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, True, False)""",
+}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")     # 0 / 0 where a wrong answer saw no key
+@pytest.mark.parametrize("name", CAUSAL)
+def test_grader_4_3(name):
+    answer = CAUSAL[name]
+    module = load(answers={"4.3": answer}) if answer else load()
+    failure = grade(module, "check_causal", module.portable_attention, DEVICE)
+    if name.startswith("wrong"):
+        assert failure and "every query sees the keys up to its own position" in failure
+    else:
+        assert failure is None
+
+
+TILES = {
+    "reference": (None, None),
+    "alternative: small square tiles": ("return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)", None),
+    "wrong: BLOCK_M not a multiple of BLOCK_N": ("return dict(BLOCK_M=32, BLOCK_N=64)", "multiple of BLOCK_N"),
+    "wrong: not a power of two": ("return dict(BLOCK_M=96, BLOCK_N=32)", "power of two"),
+    "wrong: no dict": ("return (128, 64)", "must be a dict"),
+}
+
+
+@pytest.mark.parametrize("name", TILES)
+def test_grader_4_4(name):
+    answer, hint = TILES[name]
+    module = load(answers={"4.4": answer}) if answer else load()
+    failure = grade(module, "check_tiles", module.portable_attention, module.my_config, 64, torch.device(DEVICE))
+    if hint:
+        assert failure and hint in failure
+    else:
+        assert failure is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+def test_grader_4_4_tiles_too_big_for_the_gpu():
+    module = load(answers={"4.4": "return dict(BLOCK_M=256, BLOCK_N=256, num_warps=8, num_stages=4)"})
+    failure = grade(module, "check_tiles", module.portable_attention, module.my_config, 256, torch.device("cuda"))
+    assert failure and "your tiles fit the GPU" in failure
+
+
+def test_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path):
+    """Through papermill, as a learner runs it: another right online-softmax update passes and the lab runs to
+    its end (other exercises NOT DONE); a wrong causal function stops the lab at its grading cell with the hint."""
+    from grading import run_lab_with, stream_text
+
+    small = {"SEQ_LENS": [64], "NAIVE_MAX_N": 64, "HEADLINE": [64, 64]}
+    (tmp_path / "alt").mkdir()
+    (tmp_path / "wrong").mkdir()
+    nb, error = run_lab_with("04", {"4.2": ONLINE_SOFTMAX["alternative: dot accumulates, other order"]},
+                             tmp_path / "alt", small)
+    assert error is None, error
+    text = stream_text(nb)
+    assert "PASS: exercise 4.2" in text and "NOT DONE: exercise 4.3" in text and "NOT DONE: exercise 4.4" in text
+    nb, error = run_lab_with("04", {"4.2": ONLINE_SOFTMAX["alternative: dot accumulates, other order"],
+                                    "4.3": CAUSAL["wrong: the diagonal unmasked"]}, tmp_path / "wrong", small)
+    assert error and error[0] == "ExerciseFailed" and "every query sees the keys" in error[1]
+
+
+# --- the full grid (GPU) ---------------------------------------------------------------------------------
+
+GPU_SIZES = (1, 17, 97, 1025, 4096)
+
+
+def _grid_chunk(cases):
+    """Run some cases of the full grid in this process; [(case, ok, error, allowed)] (a pool worker)."""
+    module = solutions.load("04")
+    out = []
+    for d, layout, dtype, n, causal, fn in cases:
+        size = dict(batch=1, heads=2) if n >= 4096 else dict(batch=2, heads=3)
+        ok, err, allowed = run_case(module, d, layout, getattr(torch, dtype), n, causal,
+                                    attention=getattr(module, fn), **size)
+        out.append(((d, layout, dtype, n, causal, fn), ok, err, allowed))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+def test_full_grid_on_the_gpu(capsys):
+    """Every combination of head dim, layout, dtype, size (to 4096) and mask, for the public wrapper and the
+    portable kernel; the kernels compile in parallel processes (one per (head dim, dtype)) first."""
+    import multiprocessing
+
+    load()
+    functions = ["triton_attention", "portable_attention"]     # the first takes the TMA path on an H100
+    chunks = {}
+    for d, dtype in itertools.product(HEAD_DIMS, ("bfloat16", "float16")):
+        for layout, n, causal, fn in itertools.product(load().LAYOUTS, GPU_SIZES, (False, True), functions):
+            chunks.setdefault((d, dtype), []).append((d, layout, dtype, n, causal, fn))
+    start = time.time()
+    workers = max(1, min(len(chunks), os.cpu_count() or 2, 16))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = [r for chunk in pool.map(_grid_chunk, chunks.values()) for r in chunk]
+    failed = [f"{case}: error {err:.3g} > {allowed:.3g}" for case, ok, err, allowed in results if not ok]
+    with capsys.disabled():
+        print(f"\nlab 04 full grid ({torch.cuda.get_device_name()}): {len(results) - len(failed)} of {len(results)} "
+              f"pass in {time.time() - start:.0f} s")
+    assert not failed, "\n".join(failed[:30])

@@ -13,6 +13,15 @@ from utils import divergence as dv, faults, simt, solutions, traces
 from utils.exercises import ExerciseFailed
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: on the shared 2-core machine, two threads stall each other (10x slower at times)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """(model, captured reference run, reference tokens) on a left-padded batch of three sequences."""

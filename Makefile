@@ -99,7 +99,8 @@ lab: $(STAMP) dirs ## open the course in JupyterLab (repo root, lab 00 open; INS
 	  echo "make lab: running as root (usual in containers): adding --allow-root; as a normal user it is not needed"; \
 	  root=--allow-root; fi; \
 	JUPYTER_CONFIG_PATH=$(if $(INSTRUCTOR),,$(CURDIR)/jupyter)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH} \
-	  exec $(VENV)/bin/jupyter lab $$root $(LAB_ARGS) labs/00_environment.ipynb
+	  exec $(VENV)/bin/jupyter lab $$root --ServerApp.root_dir="$(CURDIR)" \
+	    --LabApp.default_url=/lab/tree/labs/00_environment.ipynb $(LAB_ARGS)
 
 check: ## pre-flight: can this machine run the course (GPU, free memory, disk, compilers, model, port)?
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.preflight

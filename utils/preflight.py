@@ -231,6 +231,8 @@ def evaluate(f: dict) -> list[Row]:
     if not f["build_writable"]:
         rows.append(Row("build folder", FAIL, f"{f['build_dir']} is not writable",
                         "set COURSE_BUILD_DIR to a folder of your own (a shared, read-only checkout)"))
+    else:
+        rows.append(Row("build folder", OK, f"{f['build_dir']} (results, caches; COURSE_BUILD_DIR moves it)"))
     if free_disk < BLOCK_DISK_GIB * GIB:
         rows.append(Row("disk", FAIL, where, "free some space or set COURSE_BUILD_DIR to another disk"))
     elif free_disk < need * GIB:

@@ -43,13 +43,23 @@ _KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 
 def build_dir() -> Path:
     """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
-    course checkout (an editable install), else ./build in the working directory."""
+    course checkout (an editable install) if this user may write there, else ./build in the working
+    directory; a checkout shared read-only by several learners falls back to ~/.cache/rocm-cuda-labs/build
+    (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
     env = os.environ.get("COURSE_BUILD_DIR")
     if env:
         return Path(env).resolve()
     if (REPO_ROOT / "pyproject.toml").exists():
-        return REPO_ROOT / "build"
+        if _may_write(REPO_ROOT / "build"):
+            return REPO_ROOT / "build"
+        return Path.home() / ".cache" / "rocm-cuda-labs" / "build"
     return Path.cwd() / "build"
+
+
+def _may_write(folder: Path) -> bool:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 def results_dir() -> Path:

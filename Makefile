@@ -102,6 +102,24 @@ lab: $(STAMP) dirs ## open the course in JupyterLab (repo root, lab 00 open; INS
 	  exec $(VENV)/bin/jupyter lab $$root --ServerApp.root_dir="$(CURDIR)" \
 	    --LabApp.default_url=/lab/tree/labs/00_environment.ipynb $(LAB_ARGS)
 
+# The workshop tests: a browser (Debian's Chromium, Selenium) on `make lab`, and three learners at once on a
+# JupyterHub (configurable-http-proxy from npm). Installs belong here, not in a learner's `make test`.
+WORKSHOP_NODE := build/workshop/node
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a JupyterHub (installs what they need)
+	# Debian's Chromium (a GitHub runner already has Google Chrome and its driver, $$CHROMEWEBDRIVER)
+	{ command -v chromium || command -v google-chrome; } >/dev/null && \
+	  { command -v chromedriver || test -x "$$CHROMEWEBDRIVER/chromedriver"; } >/dev/null || \
+	  { $(SUDO) apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; }
+	$(PY) -c "import selenium, jupyterhub" 2>/dev/null || $(PIP) selenium jupyterhub
+	test -x $(WORKSHOP_NODE)/node_modules/.bin/configurable-http-proxy || \
+	  npm install --silent --no-fund --no-audit --prefix $(WORKSHOP_NODE) configurable-http-proxy@4.6.3
+	mkdir -p build/workshop
+	PATH="$(CURDIR)/$(WORKSHOP_NODE)/node_modules/.bin:$$PATH" COURSE_WORKSHOP_TESTS=1 \
+	  COURSE_BUILD_DIR=$(CURDIR)/build/test-workshop $(PY) -m pytest -p no:cacheprovider --durations=10 \
+	  tests/test_workshop_browser.py tests/test_workshop_hub.py
+
 check: ## pre-flight: can this machine run the course (GPU, free memory, disk, compilers, model, port)?
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.preflight
 

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -29,30 +28,13 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from utils import solutions  # noqa: E402
 from utils.exercises import ExerciseFailed  # noqa: E402
 
+from workshop_support import copy_checkout, free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("COURSE_WORKSHOP_ARTIFACTS") or ROOT / "build" / "workshop")
 LAB = "00_environment"
 TOKEN = "workshop-browser-test"
 WRONG = "return None"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def copy_checkout(dest: Path) -> Path:
-    """What a fresh clone has (tracked and new, not ignored files), plus this checkout's environment."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\n")
-    for name in filter(None, names):
-        src = ROOT / name
-        if src.is_file() and not src.is_symlink():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    (dest / ".venv").symlink_to((ROOT / ".venv").resolve())
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +83,10 @@ def browser(lab):
     opts = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         opts.add_argument(arg)
-    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(
-        executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver"))
+    opts.binary_location = shutil.which("chromium") or shutil.which("google-chrome") or "/usr/bin/chromium"
+    driver_path = shutil.which("chromedriver") or os.path.join(os.environ.get("CHROMEWEBDRIVER", "/usr/bin"),
+                                                               "chromedriver")
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=driver_path))
     driver.implicitly_wait(0)
     yield driver
     driver.quit()
@@ -210,7 +193,13 @@ def expected_hint(exercise: str) -> str:
     return str(failed.value)
 
 
-def shot(driver, name: str):
+def shot(driver, name: str, show: str | None = None):
+    """Save a screenshot; `show`: scroll the first cell whose output contains this text into view."""
+    if show:
+        js(driver, """const c = Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')).find(
+            c => (c.querySelector('.jp-OutputArea') || {textContent: ''}).textContent.includes(arguments[0]));
+            if (c) c.scrollIntoView({block: 'start'});""", show)
+        time.sleep(0.5)
     driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
 
 
@@ -247,7 +236,7 @@ def test_run_all_with_the_exercises_solved_passes_and_plots(lab, browser):
     for exercise, code in answers.items():
         replace_line(browser, f"exercise not done: {exercise},", code)
     run_all(browser)
-    shot(browser, "2-lab00-solved-run-all")
+    shot(browser, "2-lab00-solved-run-all", show="PASS: exercise")
     outputs = "\n".join(cell_texts(browser))
     for exercise in answers:
         assert f"PASS: exercise {exercise}" in outputs, outputs[-3000:]
@@ -268,7 +257,7 @@ def test_a_wrong_answer_shows_the_checkers_hint(lab, browser):
     hint = expected_hint(exercise)
     replace_line(browser, f"exercise not done: {exercise},", WRONG)
     run_all(browser)
-    shot(browser, "3-lab00-wrong-answer")
+    shot(browser, "3-lab00-wrong-answer", show="ExerciseFailed")
     outputs = "\n".join(cell_texts(browser))
     assert f"ExerciseFailed: {hint}" in outputs, outputs[-3000:]
     assert f"PASS: exercise {exercise}" not in outputs

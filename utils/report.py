@@ -364,6 +364,11 @@ def build_report(root: Path | None = None) -> Path:
     build = Path(root) if root else build_dir()
     results = load_results(build / "results")
     text = render_markdown(results, load_status(build), load_reference())
+    from .executed import describe
+
+    text += ("\n## Executed GPU copies (`docs/executed/`)\n\nEach solution as the course's GPU reference run "
+             "executed it, outputs and plots kept; a copy older than its solution is marked.\n\n"
+             + "\n".join(describe()) + "\n")
     md_path = state.write_text_atomic(build / "report.md", text)
     body = markdown.markdown(text, extensions=["tables"])
     state.write_text_atomic(build / "report.html",

@@ -106,6 +106,7 @@ lab: $(STAMP) dirs ## open the course in JupyterLab (repo root, lab 00 open; INS
 # JupyterHub (configurable-http-proxy from npm). Installs belong here, not in a learner's `make test`.
 WORKSHOP_NODE := build/workshop/node
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# ALL_LABS=1: also Run All of every unfinished lab in the browser (~10 minutes on CPU).
 test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a JupyterHub (installs what they need)
 	# Debian's Chromium (a GitHub runner already has Google Chrome and its driver, $$CHROMEWEBDRIVER)
 	{ command -v chromium || command -v google-chrome; } >/dev/null && \
@@ -117,6 +118,7 @@ test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a Jupyt
 	  npm install --silent --no-fund --no-audit --prefix $(WORKSHOP_NODE) configurable-http-proxy@4.6.3
 	mkdir -p build/workshop
 	PATH="$(CURDIR)/$(WORKSHOP_NODE)/node_modules/.bin:$$PATH" COURSE_WORKSHOP_TESTS=1 \
+	  COURSE_WORKSHOP_ALL_LABS=$(if $(ALL_LABS),1,0) \
 	  COURSE_BUILD_DIR=$(CURDIR)/build/test-workshop $(PY) -m pytest -p no:cacheprovider --durations=10 \
 	  tests/test_workshop_browser.py tests/test_workshop_hub.py
 

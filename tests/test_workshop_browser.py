@@ -261,3 +261,30 @@ def test_a_wrong_answer_shows_the_checkers_hint(lab, browser):
     outputs = "\n".join(cell_texts(browser))
     assert f"ExerciseFailed: {hint}" in outputs, outputs[-3000:]
     assert f"PASS: exercise {exercise}" not in outputs
+
+
+ALL_LABS = sorted(p.stem for p in solutions.LABS.glob("*.ipynb"))
+
+
+@pytest.mark.skipif(os.environ.get("COURSE_WORKSHOP_ALL_LABS") != "1",
+                    reason="every lab's Run All in the browser takes ~10 minutes on CPU: "
+                           "make test-workshop ALL_LABS=1")
+@pytest.mark.parametrize("name", ALL_LABS)
+def test_run_all_reaches_the_end_of_every_unfinished_lab(lab, browser, name):
+    """The generated lab as a learner first opens it, exercises unfinished: Run All runs every code cell."""
+    base, _, copy = lab
+    shutil.copy2(solutions.LABS / f"{name}.ipynb", copy / "labs" / f"{name}.ipynb")
+    browser.get(f"{base}/lab/tree/labs/{name}.ipynb?token={TOKEN}")
+    wait(f"{name} open", lambda: js(browser, "const t = document.querySelector("
+         "'.lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');"
+         "return !!t && t.textContent;") == f"{name}.ipynb", timeout=90)
+    wait("the kernel to be idle", lambda: kernel_idle(browser), timeout=90)
+    run_all(browser, timeout=900)
+    shot(browser, f"4-run-all-{name}", show="NOT DONE")
+    prompts = js(browser, "return Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
+                          ".map(p => p.textContent.trim());")
+    unrun = [i for i, p in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:", p)]
+    outputs = "\n".join(cell_texts(browser))
+    assert not unrun, f"{name}: Run All stopped; code cells {unrun} did not run\n{outputs[-2000:]}"
+    assert "Traceback" not in outputs and "ExerciseFailed" not in outputs, outputs[-2000:]
+    assert "NOT DONE: exercise" in outputs

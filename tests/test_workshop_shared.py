@@ -238,3 +238,14 @@ def test_report_lists_the_executed_copies(build_dir):
     assert "## Executed GPU copies (`docs/executed/`)" in md
     for sol in solutions.solution_notebooks():
         assert f"- {sol.stem}: " in md
+
+
+def test_binder_start_uses_the_course_settings():
+    import subprocess
+
+    out = subprocess.run(["bash", str(ROOT / "binder" / "start"), "env"], capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin", "JUPYTER_CONFIG_PATH": "/elsewhere"}).stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert env["JUPYTER_CONFIG_PATH"] == f"{ROOT}/jupyter:/elsewhere"
+    assert env["PYTHONPATH"] == str(ROOT) and env["HF_HUB_OFFLINE"] == "1"
+    assert (ROOT / "binder" / "start").stat().st_mode & 0o111

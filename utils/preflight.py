@@ -156,7 +156,8 @@ def gather() -> dict:
         "disk_free_bytes": shutil.disk_usage(probe).free,
         "smollm2": str(gguf) if gguf else None,
         "loopback_port": _any_port(),
-        "jupyter_port_free": _port_free(JUPYTER_PORT),
+        # in a notebook, JupyterLab itself holds its port: only lab 05's free port matters there
+        "jupyter_port_free": True if "ipykernel" in sys.modules else _port_free(JUPYTER_PORT),
     }
 
 
@@ -256,7 +257,8 @@ def evaluate(f: dict) -> list[Row]:
         rows.append(Row("free port", WARN, f"127.0.0.1 works; {JUPYTER_PORT} is taken (another JupyterLab?)",
                         "JupyterLab picks the next free port by itself; stop an old one with `jupyter server stop`"))
     else:
-        rows.append(Row("free port", OK, f"127.0.0.1:{JUPYTER_PORT} and others"))
+        rows.append(Row("free port", OK, "127.0.0.1 (lab 05's server" + (
+            f", JupyterLab's {JUPYTER_PORT})" if "ipykernel" not in sys.modules else ")")))
     return rows
 
 

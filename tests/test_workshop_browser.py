@@ -103,13 +103,22 @@ def wait(what, fn, timeout=60.0, every=0.25):
         time.sleep(every)
 
 
+# The notebook panel on show: other notebooks stay in the page as hidden tabs.
+PANEL = "const P = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)') || document;"
+
+
 def js(driver, script, *args):
     return driver.execute_script(script, *args)
 
 
+def panel(driver, script, *args):
+    """`script` with P, the visible notebook panel, in scope."""
+    return driver.execute_script(PANEL + script, *args)
+
+
 def kernel_idle(driver) -> bool:
-    return js(driver, "const e = document.querySelector('.jp-Notebook-ExecutionIndicator');"
-                      "return !!e && e.getAttribute('data-status') === 'idle';")
+    return panel(driver, "const e = P.querySelector('.jp-Notebook-ExecutionIndicator');"
+                         "return !!e && e.getAttribute('data-status') === 'idle';")
 
 
 def dirty_tabs(driver) -> list[str]:
@@ -118,13 +127,13 @@ def dirty_tabs(driver) -> list[str]:
 
 
 def open_lab00(driver, base):
-    """Open JupyterLab as `make lab`'s browser does (its default URL) in a fresh workspace."""
+    """Open JupyterLab as `make lab`'s browser does (its default URL)."""
     driver.get(f"{base}/?token={TOKEN}")
     try:
         wait("lab 00 open", lambda: js(driver, "const t = document.querySelector("
              "'.lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');"
              "return !!t && t.textContent;") == f"{LAB}.ipynb"
-             and js(driver, "return document.querySelectorAll('.jp-Notebook .jp-Cell').length") > 5)
+             and panel(driver, "return P.querySelectorAll('.jp-Notebook .jp-Cell').length") > 5)
     except AssertionError as exc:
         shot(driver, "failed-open")
         raise AssertionError(f"{exc}; at {driver.current_url}") from None
@@ -133,15 +142,15 @@ def open_lab00(driver, base):
 
 def cell_texts(driver) -> list[str]:
     """Each cell's outputs as text (textContent: cells outside the viewport are not laid out)."""
-    return js(driver, "return Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell'))"
-                      ".map(c => (c.querySelector('.jp-OutputArea') || {textContent: ''}).textContent);")
+    return panel(driver, "return Array.from(P.querySelectorAll('.jp-Notebook .jp-Cell'))"
+                         ".map(c => (c.querySelector('.jp-OutputArea') || {textContent: ''}).textContent);")
 
 
 def replace_line(driver, marker: str, code: str):
     """Put the cursor on the editor line containing `marker`, select the line's text (Home stops after
     the indentation) and type `code` over it, as a learner does."""
-    line = wait(f"an editor line with {marker!r}", lambda: js(driver, """
-        const lines = Array.from(document.querySelectorAll('.jp-Notebook .cm-line'));
+    line = wait(f"an editor line with {marker!r}", lambda: panel(driver, """
+        const lines = Array.from(P.querySelectorAll('.jp-Notebook .cm-line'));
         const l = lines.find(e => e.textContent.includes(arguments[0]));
         if (l) l.scrollIntoView({block: 'center'});
         return l || null;""", marker))
@@ -149,8 +158,8 @@ def replace_line(driver, marker: str, code: str):
     editor = driver.switch_to.active_element
     editor.send_keys(Keys.END, Keys.SHIFT + Keys.HOME)
     editor.send_keys(code)
-    wait(f"{code!r} in the editor", lambda: js(driver, """
-        return Array.from(document.querySelectorAll('.jp-Notebook .cm-line'))
+    wait(f"{code!r} in the editor", lambda: panel(driver, """
+        return Array.from(P.querySelectorAll('.jp-Notebook .cm-line'))
             .some(e => e.textContent.trim() === arguments[0]);""", code), timeout=10)
     editor.send_keys(Keys.ESCAPE)
 
@@ -165,8 +174,8 @@ def run_all(driver, timeout=240.0):
     """Run > Run All Cells; returns when the kernel is idle and no cell is queued or running."""
     menu(driver, "Run", "Run All Cells")
     time.sleep(1.0)
-    wait("Run All to finish", lambda: kernel_idle(driver) and not js(driver, """
-        return Array.from(document.querySelectorAll('.jp-Notebook .jp-InputArea-prompt'))
+    wait("Run All to finish", lambda: kernel_idle(driver) and not panel(driver, """
+        return Array.from(P.querySelectorAll('.jp-Notebook .jp-InputArea-prompt'))
             .some(p => p.textContent.includes('*'));"""), timeout=timeout, every=1.0)
 
 
@@ -196,7 +205,7 @@ def expected_hint(exercise: str) -> str:
 def shot(driver, name: str, show: str | None = None):
     """Save a screenshot; `show`: scroll the first cell whose output contains this text into view."""
     if show:
-        js(driver, """const c = Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')).find(
+        panel(driver, """const c = Array.from(P.querySelectorAll('.jp-Notebook .jp-Cell')).find(
             c => (c.querySelector('.jp-OutputArea') || {textContent: ''}).textContent.includes(arguments[0]));
             if (c) c.scrollIntoView({block: 'start'});""", show)
         time.sleep(0.5)
@@ -241,11 +250,11 @@ def test_run_all_with_the_exercises_solved_passes_and_plots(lab, browser):
     for exercise in answers:
         assert f"PASS: exercise {exercise}" in outputs, outputs[-3000:]
     assert "NOT DONE" not in outputs and "ExerciseFailed" not in outputs and "Traceback" not in outputs
-    images = js(browser, "return Array.from(document.querySelectorAll('.jp-OutputArea-output img'))"
+    images = panel(browser, "return Array.from(P.querySelectorAll('.jp-OutputArea-output img'))"
                          ".map(i => [i.naturalWidth, i.naturalHeight]);")
     assert images and all(w > 100 and h > 100 for w, h in images), images
     # every code cell ran
-    prompts = js(browser, "return Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
+    prompts = panel(browser, "return Array.from(P.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
                           ".map(p => p.textContent.trim());")
     assert prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts), prompts
 
@@ -277,11 +286,12 @@ def test_run_all_reaches_the_end_of_every_unfinished_lab(lab, browser, name):
     browser.get(f"{base}/lab/tree/labs/{name}.ipynb?token={TOKEN}")
     wait(f"{name} open", lambda: js(browser, "const t = document.querySelector("
          "'.lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');"
-         "return !!t && t.textContent;") == f"{name}.ipynb", timeout=90)
+         "return !!t && t.textContent;") == f"{name}.ipynb"
+         and panel(browser, "return P.querySelectorAll('.jp-Notebook .jp-Cell').length") > 3, timeout=90)
     wait("the kernel to be idle", lambda: kernel_idle(browser), timeout=90)
     run_all(browser, timeout=900)
     shot(browser, f"4-run-all-{name}", show="NOT DONE")
-    prompts = js(browser, "return Array.from(document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
+    prompts = panel(browser, "return Array.from(P.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
                           ".map(p => p.textContent.trim());")
     unrun = [i for i, p in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:", p)]
     outputs = "\n".join(cell_texts(browser))

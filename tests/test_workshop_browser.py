@@ -232,6 +232,13 @@ def test_make_lab_opens_lab00_at_the_repo_root_clean(lab, browser):
              lambda: {"labs", "solutions", "utils"} <= set(js(browser, listing)), timeout=15)
     finally:
         shot(browser, "1b-file-browser-root")
+    # a solution (its metadata may be incomplete) opens clean too
+    browser.get(f"{base}/lab/tree/solutions/{LAB}.ipynb?token={TOKEN}")
+    wait("the solution open", lambda: js(browser, "const t = document.querySelector("
+         "'.lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');"
+         "return !!t && t.textContent;") == f"{LAB}.ipynb" and kernel_idle(browser), timeout=90)
+    time.sleep(4)
+    assert dirty_tabs(browser) == [], "opening the solution marked it changed"
     log = log_path.read_text()
     if os.geteuid() == 0:
         assert "make lab: running as root" in log and "--allow-root" in log

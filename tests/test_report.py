@@ -51,7 +51,7 @@ def test_report_shows_figures_peaks_reference_and_failures(build_dir, h100):
         "01_vector_add": {"status": "failed", "run_id": "r1", "error": "RuntimeError: boom", "seconds": 3.5,
                           "executed": "build/executed/01_vector_add.ipynb"}}}))
     md = report.build_report().read_text()
-    assert "| torch.add (`environment.add_gbps`) | 3,042 | GB/s | 91% |" in md
+    assert "| torch.add (`environment.add_gbps`) | not recorded | 3,042 | GB/s | 91% |" in md
     assert "**FAILED**: RuntimeError: boom | 3.5 | build/executed/01_vector_add.ipynb" in md
     assert "AMD Instinct MI300X | 1,307 | 163.4 | 5,300 | 192" in md
     assert "NVIDIA H100 SXM | 989.4 | 67 | 3,350 | 80" in md
@@ -64,7 +64,8 @@ def test_make_reference_from_sidecars(build_dir, h100):
     report.start("01_vector_add", h100).metric("vector_add.torch_gbps", 3010.0, "GB/s")
     ref = report.make_reference(report.load_results())
     assert ref["device"] == "NVIDIA H100 80GB HBM3" and ref["arch"] == "sm_90"
-    assert ref["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s"},
+    assert ref["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s", "peak": 3350.0,
+                                                       "fraction_of_peak": pytest.approx(3000 / 3350)},
                               "vector_add.torch_gbps": {"value": 3010.0, "unit": "GB/s"}}
     assert set(ref) >= {"device", "date", "software", "metrics"}
 
@@ -100,22 +101,67 @@ def test_committed_h100_reference_is_well_formed():
     assert "H100" in ref["device"] and ref["arch"] == "sm_90"
     assert ref["software"]["torch"] and ref["date"]
     for key, m in ref["metrics"].items():
-        assert set(m) == {"value", "unit"} and isinstance(m["value"], float), key
+        assert {"value", "unit"} <= set(m) <= {"value", "unit", *report.REFERENCE_KEYS}, key
+        assert isinstance(m["value"], float), key
     assert 0 <= ref["metrics"]["timing.max_rel_diff_vs_do_bench"]["value"] < 0.05
     assert ref["metrics"]["environment.matmul_tflops"]["value"] > 100
 
 
-def test_reference_figures_appear_beside_the_learners(build_dir, h100, monkeypatch):
+def test_reference_figures_stand_beside_the_learners_only_at_the_same_size(build_dir, h100, monkeypatch):
+    """Like with like: a reference figure is in the learner's row only when both recorded the same size;
+    at another size, or with no size recorded, it is listed apart, with its own size."""
     monkeypatch.setattr(report, "load_reference", lambda name="h100": {
-        "device": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "date": "2026-11-22", "software": {},
-        "metrics": {"vector_add.torch_gbps": {"value": 3045.1, "unit": "GB/s"},
-                    "vector_add.hand_gbps": {"value": 3054.5, "unit": "GB/s"},
+        "device": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "date": "2026-11-22", "software": {"torch": "2.11"},
+        "metrics": {"vector_add.torch_gbps": {"value": 3045.1, "unit": "GB/s", "size": "n=268435456"},
+                    "vector_add.small_gbps": {"value": 1500.0, "unit": "GB/s", "size": "n=1048576",
+                                              "fraction_of_peak": 0.45},
+                    "vector_add.old_gbps": {"value": 2900.0, "unit": "GB/s"},
+                    "vector_add.hand_gbps": {"value": 3054.5, "unit": "GB/s", "size": "n=268435456"},
                     "attention.triton_tflops": {"value": 406.6, "unit": "TFLOP/s"}}})
-    report.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 145.1, "GB/s", label="torch.add")
+    rec = report.start("01_vector_add", devices.cpu_info())
+    rec.metric("vector_add.torch_gbps", 145.1, "GB/s", label="torch.add", size={"n": 4194304})
+    rec.metric("vector_add.small_gbps", 140.0, "GB/s", size="n=1048576")
+    rec.metric("vector_add.old_gbps", 130.0, "GB/s")
     md = report.build_report().read_text()
-    assert "| torch.add (`vector_add.torch_gbps`) | 145.1 | GB/s | – | 3,045 |" in md
-    assert "| `vector_add.hand_gbps` | – | GB/s | – | 3,054 |" in md          # GPU-only figure, same lab
-    assert "figures with no counterpart in this run" in md and "| `attention.triton_tflops` | 406.6 | TFLOP/s |" in md
+    assert "| torch.add (`vector_add.torch_gbps`) | n=4194304 | 145.1 | GB/s | – | other size, below |" in md
+    assert "| `vector_add.small_gbps` | n=1048576 | 140 | GB/s | – | 1,500 (45%) |" in md
+    assert "| `vector_add.old_gbps` | not recorded | 130 | GB/s | – | size not recorded, below |" in md
+    below = md.split("not comparable with yours row by row")[1].split("##")[0]
+    assert "| `vector_add.torch_gbps` | n=268435456 | 3,045 | GB/s | – |" in below     # other size
+    assert "| `vector_add.hand_gbps` | n=268435456 | 3,054 | GB/s | – |" in below      # GPU-only figure
+    assert "`vector_add.old_gbps`" in below and "`vector_add.small_gbps`" not in below
+    assert "figures with no counterpart in this run" in md and "| `attention.triton_tflops` | not recorded | 406.6 | TFLOP/s |" in md
+    # which device and run each column comes from
+    assert "**Yours:** " + devices.cpu_info().name in md and "run `outside make run`" in md
+    assert "**Reference:** NVIDIA H100 80GB HBM3, run of 2026-11-22, torch 2.11" in md
+
+
+def test_metric_size_is_recorded_in_sidecar_and_reference(build_dir, h100):
+    rec = report.start("01_vector_add", h100)
+    rec.metric("vector_add.torch_gbps", 3000.0, "GB/s", size={"n": 1 << 28, "dtype": "fp32"}, label="add")
+    assert rec.data["metrics"]["vector_add.torch_gbps"]["size"] == "n=268435456, dtype=fp32"
+    ref = report.make_reference(report.load_results())
+    assert ref["metrics"]["vector_add.torch_gbps"]["size"] == "n=268435456, dtype=fp32"
+    assert report.comparable(rec.data["metrics"]["vector_add.torch_gbps"], ref["metrics"]["vector_add.torch_gbps"])
+    assert not report.comparable({"value": 1, "unit": "GB/s"}, {"value": 2, "unit": "GB/s"})   # sizes unknown
+    assert not report.comparable({"unit": "GB/s", "size": "n=1"}, {"unit": "TB/s", "size": "n=1"})
+    for bad in ("", "  ", 4096, ["n", 1]):
+        with pytest.raises(ValueError, match="size="):
+            rec.metric("vector_add.x_gbps", 1.0, "GB/s", size=bad)
+
+
+def test_merged_reference_names_the_run_of_each_lab(build_dir, h100, monkeypatch):
+    monkeypatch.setattr(report, "load_reference", lambda name="h100": {
+        "device": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "date": "2026-11-23", "software": {"torch": "2.11"},
+        "runs": [{"labs": ["00_environment"], "date": "2026-11-22", "software": {"torch": "2.10"}},
+                 {"labs": ["05_llm_serving"], "date": "2026-11-23", "software": {"torch": "2.11"}}],
+        "metrics": {}})
+    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    report.start("05_llm_serving", h100).metric("serving.copy_gbps", 2000.0, "GB/s")
+    md = report.build_report().read_text()
+    sec00 = md.split("## 00_environment")[1].split("## 05")[0]
+    sec05 = md.split("## 05_llm_serving")[1]
+    assert "run of 2026-11-22, torch 2.10" in sec00 and "run of 2026-11-23, torch 2.11" in sec05
 
 
 def test_markdown_table():

@@ -103,15 +103,27 @@ def smollm2_gguf() -> Path | None:
 
 def models_dir() -> Path:
     """Where converted and generated models are kept: $COURSE_MODELS_DIR, else build/models of the
-    course checkout (shared by every run and test, like a model hub's cache)."""
+    course checkout (shared by every run and test, like a model hub's cache) when this user may write
+    there, else the user's own build folder (a checkout shared read-only by a workshop's learners)."""
     from .report import REPO_ROOT, build_dir
 
     env = os.environ.get("COURSE_MODELS_DIR")
     if env:
         return Path(env).resolve()
-    if (REPO_ROOT / "pyproject.toml").exists():
-        return REPO_ROOT / "build" / "models"
-    return build_dir() / "models"
+    shared = REPO_ROOT / "build" / "models"
+    if (REPO_ROOT / "pyproject.toml").exists() and _may_write(shared):
+        return shared
+    own = build_dir() / "models"
+    if own != shared and _may_write(own):
+        return own
+    return Path.home() / ".cache" / "rocm-cuda-labs" / "models"
+
+
+def _may_write(folder: Path) -> bool:
+    """Whether this user can create or write `folder` (its nearest existing ancestor is writable)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 def smollm2(out_dir: str | Path | None = None) -> Path:

@@ -72,13 +72,23 @@ def milliseconds(name: str, value, maximum: float = 60_000) -> float:
 
 
 def available_memory_bytes(device) -> int | None:
-    """Memory the notebook may use on `device` (a `utils.device.DeviceInfo`), or None if unknown."""
+    """Memory the notebook may use on `device` (a `utils.device.DeviceInfo`), or None if unknown: the
+    *free* memory now, since a workshop's GPU (or CPU) is shared by other learners' kernels. On a GPU that
+    is `torch.cuda.mem_get_info` (free memory of the current device, ROCm included) plus what this
+    process's PyTorch already holds in its cache (it can reuse that); the total only if that fails."""
     if device.backend == "cpu":
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             return None
-    return device.memory_bytes
+    try:
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return int(free) + max(int(cached), 0)
+    except Exception:   # no CUDA/ROCm runtime in this process: fall back to the device's total
+        return device.memory_bytes
 
 
 def size(name: str, value, *, device, cpu: int, gpu: int,
@@ -95,7 +105,7 @@ def size(name: str, value, *, device, cpu: int, gpu: int,
                 largest //= 2
             raise ParameterError(
                 f"{name}={n} needs {need / 2**30:.1f} GiB but {device.name} has "
-                f"{have / 2**30:.1f} GiB ({MEMORY_BUDGET:.0%} of it may be used); "
+                f"{have / 2**30:.1f} GiB free ({MEMORY_BUDGET:.0%} of it may be used); "
                 f"use {name}={largest} or less")
     return n
 

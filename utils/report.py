@@ -3,12 +3,14 @@
 In a notebook:
 
     rec = report.start("00_environment", device)       # clears this lab's earlier records
-    rec.metric("environment.add_gbps", 2950.0, "GB/s", peak=device.peak_bandwidth_gbps)
+    rec.metric("environment.add_gbps", 2950.0, "GB/s", peak=device.peak_bandwidth_gbps, size={"n": 1 << 28})
     rec.figure(fig, "achieved_vs_peak")
 
 `make run` then calls `build_report()`, which reads every sidecar under `build/results/` and the
-harness's `status.json` and writes `build/report.md` and `build/report.html`, showing each figure
-beside the H100 reference (`utils/reference/h100.json`) and the published peaks.
+harness's `status.json` and writes `build/report.md` and `build/report.html`: each lab's figures, which
+device and run they come from, and the H100 reference's figure of the same size beside them
+(`utils/reference/h100.json`; a reference figure at another size, or with no size recorded, is listed
+apart, never in the same row), and the published peaks.
 `python -m utils.report reference OUT.json` turns the sidecars of a real run into such a reference.
 """
 from __future__ import annotations
@@ -34,18 +36,30 @@ PUBLISHED = ("mi300x", "h100_sxm")
 PUBLISHED_MEASURED = {
     "matmul.torch_tflops_8192": (708.0, "TFLOP/s", "AMD's measured max BF16 GEMM on MI300X"),
 }
+# What a reference record keeps of a metric besides value and unit (for like-with-like comparisons).
+REFERENCE_KEYS = ("size", "label", "peak", "fraction_of_peak")
 _KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 
 
 def build_dir() -> Path:
     """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
-    course checkout (an editable install), else ./build in the working directory."""
+    course checkout (an editable install) if this user may write there, else ./build in the working
+    directory; a checkout shared read-only by several learners falls back to ~/.cache/rocm-cuda-labs/build
+    (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
     env = os.environ.get("COURSE_BUILD_DIR")
     if env:
         return Path(env).resolve()
     if (REPO_ROOT / "pyproject.toml").exists():
-        return REPO_ROOT / "build"
+        if _may_write(REPO_ROOT / "build"):
+            return REPO_ROOT / "build"
+        return Path.home() / ".cache" / "rocm-cuda-labs" / "build"
     return Path.cwd() / "build"
+
+
+def _may_write(folder: Path) -> bool:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 def results_dir() -> Path:
@@ -75,11 +89,15 @@ class Recorder:
         self._save()
 
     def metric(self, key: str, value: float, unit: str, *, peak: float | None = None,
-               label: str | None = None) -> dict:
-        """Record a headline figure; `peak` (same unit) makes the report show value / peak."""
+               label: str | None = None, size: str | dict | None = None) -> dict:
+        """Record a headline figure; `peak` (same unit) makes the report show value / peak. `size` says
+        what was measured ("N=4096, D=128" or {"N": 4096, "D": 128}): the report sets a reference figure
+        beside this one only when both were measured at the same size."""
         if not _KEY.match(key):
             raise ValueError(f"metric key {key!r} must look like 'lab_topic.figure' (lower case, dots)")
         entry = {"value": float(value), "unit": unit}
+        if size is not None:
+            entry["size"] = size_text(size)
         if peak:
             entry["peak"] = float(peak)
             entry["fraction_of_peak"] = float(value) / float(peak)
@@ -102,6 +120,15 @@ class Recorder:
 
     def _save(self):
         state.write_json(self.path, self.data)
+
+
+def size_text(size: str | dict) -> str:
+    """The canonical text of a metric's size: {"N": 4096, "D": 128} -> "N=4096, D=128"."""
+    if isinstance(size, dict):
+        return ", ".join(f"{k}={v}" for k, v in size.items())
+    if not isinstance(size, str) or not size.strip():
+        raise ValueError(f"size={size!r} must be a non-empty string or a dict such as {{'N': 4096}}")
+    return size.strip()
 
 
 def start(lab: str, device, root: Path | None = None) -> Recorder:
@@ -175,7 +202,8 @@ def make_reference(results: dict[str, dict]) -> dict:
     metrics = {}
     for r in runs:
         for key, m in r["metrics"].items():
-            metrics[key] = {"value": m["value"], "unit": m["unit"]}
+            metrics[key] = {"value": m["value"], "unit": m["unit"],
+                            **{k: m[k] for k in REFERENCE_KEYS if k in m}}
     return {
         "device": first["device"]["name"],
         "arch": first["device"]["arch"],
@@ -212,6 +240,44 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     if v is None:
         return "–"
     return f"{v:,.{digits}g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def comparable(mine: dict | None, ref: dict | None) -> bool:
+    """A reference figure may stand beside the learner's only when both were measured at a recorded,
+    equal size, in the same unit."""
+    return bool(mine and ref and mine.get("size") and mine.get("size") == ref.get("size")
+                and mine.get("unit") == ref.get("unit"))
+
+
+def _name(key: str, m: dict) -> str:
+    return f"{m['label']} (`{key}`)" if m.get("label") else f"`{key}`"
+
+
+def _frac(m: dict) -> str:
+    return f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
+
+
+def _reference_run(reference: dict, lab: str) -> dict:
+    """The run of a (merged) reference record that measured `lab`: its date and software."""
+    for run in reference.get("runs") or []:
+        if lab in run.get("labs", []):
+            return run
+    return {"date": reference.get("date"), "software": reference.get("software", {})}
+
+
+def _provenance(r: dict, reference: dict | None, lab: str) -> str:
+    """Which device and run each column of a lab's table comes from."""
+    dev = r.get("device") or {}
+    sw = r.get("software") or {}
+    mine = (f"**Yours:** {dev.get('name', 'unknown device')} ({dev.get('backend', '?')}), "
+            f"run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}"
+            + (f", torch {sw['torch']}" if sw.get("torch") else ""))
+    if not reference:
+        return mine + "."
+    run = _reference_run(reference, lab)
+    rsw = run.get("software") or {}
+    return (mine + f". **Reference:** {reference['device']}, run of {run.get('date', '?')}"
+            + (f", torch {rsw['torch']}" if rsw.get("torch") else "") + " (`utils/reference/`).")
 
 
 def render_markdown(results: dict[str, dict], status: dict, reference: dict | None) -> str:
@@ -259,25 +325,37 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
         if run and r.get("run_id") != run.get("id"):
             out += [f"*These figures are from run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}, "
                     "not from the latest run.*", ""]
-        out += [f"| figure | yours | unit | of peak | {ref_name} |", "|---|---|---|---|---|"]
-        for key, m in r["metrics"].items():
-            frac = f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
-            ref = ref_metrics.get(key)
-            out.append(f"| {m.get('label') or key} (`{key}`) | {_fmt(m['value'])} | {m['unit']} | "
-                       f"{frac} | {_fmt(ref['value']) if ref else '–'} |")
-        # the reference's other figures of this lab (same key prefix), measured only on a GPU
+        out += [_provenance(r, reference, lab), ""]
         prefixes = {key.split(".", 1)[0] for key in r["metrics"]}
-        for key, ref in ref_metrics.items():
-            if key.split(".", 1)[0] in prefixes and key not in r["metrics"]:
-                out.append(f"| `{key}` | – | {ref['unit']} | – | {_fmt(ref['value'])} |")
+        # the reference's figures of this lab (same key prefix) that are not at the learner's size
+        elsewhere = {key: ref for key, ref in ref_metrics.items()
+                     if key.split(".", 1)[0] in prefixes and not comparable(r["metrics"].get(key), ref)}
+        out += [f"| figure | size | yours | unit | of peak | {ref_name}, same size |", "|---|---|---|---|---|---|"]
+        for key, m in r["metrics"].items():
+            ref = ref_metrics.get(key)
+            if ref is None:
+                theirs = "–"
+            elif key in elsewhere:
+                theirs = "other size, below" if ref.get("size") and m.get("size") else "size not recorded, below"
+            else:
+                theirs = _fmt(ref["value"]) + (f" ({_frac(ref)})" if "fraction_of_peak" in ref else "")
+            out.append(f"| {_name(key, m)} | {m.get('size', 'not recorded')} | {_fmt(m['value'])} | "
+                       f"{m['unit']} | {_frac(m)} | {theirs} |")
+        if elsewhere:
+            out += ["", f"{ref_name}'s figures of this lab at its own sizes (or sizes not recorded): "
+                        "not comparable with yours row by row.", "",
+                    "| figure | size | value | unit | of peak |", "|---|---|---|---|---|"]
+            out += [f"| {_name(key, ref)} | {ref.get('size', 'not recorded')} | {_fmt(ref['value'])} | "
+                    f"{ref['unit']} | {_frac(ref)} |" for key, ref in elsewhere.items()]
         shown |= prefixes
         for fig in r.get("figures", []):
             out += ["", f"![{lab}: {Path(fig).stem}](results/{fig})"]
     rest = {k: v for k, v in ref_metrics.items() if k.split(".", 1)[0] not in shown}
     if rest:
         out += ["", f"## {ref_name} figures with no counterpart in this run", "",
-                "| figure | value | unit |", "|---|---|---|"]
-        out += [f"| `{key}` | {_fmt(m['value'])} | {m['unit']} |" for key, m in rest.items()]
+                "| figure | size | value | unit |", "|---|---|---|---|"]
+        out += [f"| `{key}` | {m.get('size', 'not recorded')} | {_fmt(m['value'])} | {m['unit']} |"
+                for key, m in rest.items()]
     out += ["", "## Published peaks (dense)", "",
             "| GPU | BF16 TFLOP/s | FP32 TFLOP/s | memory bandwidth GB/s | memory GB |",
             "|---|---|---|---|---|"]
@@ -299,6 +377,11 @@ def build_report(root: Path | None = None) -> Path:
     build = Path(root) if root else build_dir()
     results = load_results(build / "results")
     text = render_markdown(results, load_status(build), load_reference())
+    from .executed import describe
+
+    text += ("\n## Executed GPU copies (`docs/executed/`)\n\nEach solution as the course's GPU reference run "
+             "executed it, outputs and plots kept; a copy older than its solution is marked.\n\n"
+             + "\n".join(describe()) + "\n")
     md_path = state.write_text_atomic(build / "report.md", text)
     body = markdown.markdown(text, extensions=["tables"])
     state.write_text_atomic(build / "report.html",

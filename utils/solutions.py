@@ -162,11 +162,46 @@ def _fill(nb, name: str, answers: dict | None, stubs: bool):
     return nb
 
 
+# --- notebook metadata ---------------------------------------------------------------------------
+
+# Every course notebook's notebook-level metadata: the kernel, and the language as ipykernel reports it
+# (all its fields), so that JupyterLab has nothing to add when a kernel starts and opening a notebook does
+# not mark it changed. The Python version is the course's CI interpreter; the course's Jupyter settings
+# (jupyter/jupyter_server_config.py) hand it to the browser as the learner's own Python.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                 "pygments_lexer": "ipython3", "version": "3.11.7"}
+
+
+def set_course_metadata(nb):
+    """Give `nb` (a NotebookNode) the course's kernelspec and language_info; other metadata is kept."""
+    nb.metadata["kernelspec"] = nbformat.from_dict(KERNELSPEC)
+    nb.metadata["language_info"] = nbformat.from_dict(LANGUAGE_INFO)
+    return nb
+
+
+def write_solution_metadata(paths: list[Path] | None = None) -> list[Path]:
+    """Give the solution notebooks the course's notebook-level metadata (kernelspec, language_info),
+    changing nothing else; returns the notebooks rewritten. For the lead: run once after a merge
+    (`python -c "from utils import solutions; print(solutions.write_solution_metadata())"`), then
+    `make labs`."""
+    changed = []
+    for path in paths or solution_notebooks():
+        text = Path(path).read_text()
+        new = nbformat.writes(set_course_metadata(nbformat.reads(text, as_version=NB_VERSION))) + "\n"
+        if new != text:
+            state.write_text_atomic(Path(path), new)
+            changed.append(Path(path))
+    return changed
+
+
 # --- the learner's lab ---------------------------------------------------------------------------
 
 def make_lab(solution: Path):
-    """The lab notebook for one solution notebook (a NotebookNode, not written)."""
-    nb = _fill(read(solution), solution.name, None, stubs=True)
+    """The lab notebook for one solution notebook (a NotebookNode, not written), with the course's
+    notebook metadata."""
+    nb = set_course_metadata(_fill(read(solution), solution.name, None, stubs=True))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []

@@ -1,0 +1,161 @@
+"""Executed copies of the solutions (docs/executed/, made on a GPU by .ci/gpu-reference): write, stamp, check.
+
+A learner without a GPU opens `docs/executed/<lab>.ipynb` to see real GPU outputs and plots. Each copy
+records in its notebook metadata (`course_executed`) the commit, software, device and date it came from
+and a hash of its solution's source cells; `stale()` compares that hash with today's solution, so the
+report (and `python -m utils.executed check`) says when a copy is older than its solution. Huge outputs
+are left out of a copy (with a line saying so) to keep the repository small.
+
+    python -m utils.executed copy build/executed/*.ipynb     # after `make run` on a GPU
+    python -m utils.executed check                            # which copies are missing or stale
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from . import state
+from .report import REPO_ROOT
+
+COPIES = REPO_ROOT / "docs" / "executed"
+SOLUTIONS = REPO_ROOT / "solutions"
+KEY = "course_executed"
+MAX_TEXT_BYTES = 64 * 1024        # one output's text
+MAX_IMAGE_BYTES = 512 * 1024      # one image (base64)
+MAX_COPY_BYTES = 4 * 2**20        # a whole copy, after stripping
+
+
+def source_hash(nb) -> str:
+    """SHA-256 of a notebook's code and markdown sources, in order (papermill's injected parameters and
+    outputs do not count), so an executed copy and its solution hash alike until the solution changes."""
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            continue
+        h.update(cell.cell_type.encode() + b"\0" + cell.source.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _strip(output, limits: dict) -> object:
+    """An output small enough for the copy, or a note saying what was left out."""
+    size = len(json.dumps(output))
+    if output.get("output_type") in ("display_data", "execute_result"):
+        data = output.get("data", {})
+        big = [k for k, v in data.items() if len(json.dumps(v)) > (
+            limits["image"] if k.startswith("image/") else limits["text"])]
+        if not big:
+            return output
+        output = nbformat.from_dict(dict(output))
+        output["data"] = {k: v for k, v in data.items() if k not in big}
+        output["data"].setdefault("text/plain", "")
+        output["data"]["text/plain"] += f"\n[{', '.join(big)} of {size // 1024} KiB left out of this copy]"
+        return output
+    if size > limits["text"]:
+        text = output.get("text", "") if output.get("output_type") == "stream" else ""
+        return nbformat.v4.new_output("stream", name="stdout", text=text[: limits["text"] // 2]
+                                      + f"\n[... {size // 1024} KiB of output left out of this copy]\n")
+    return output
+
+
+def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None = None,
+              device: str | None = None, limits: dict | None = None) -> Path:
+    """Write `executed` (a notebook `make run` executed) to `out_dir` with its outputs (huge ones left out)
+    and the `course_executed` stamp; returns the copy's path."""
+    limits = {"text": MAX_TEXT_BYTES, "image": MAX_IMAGE_BYTES, **(limits or {})}
+    executed = Path(executed)
+    solution = Path(solution) if solution else SOLUTIONS / executed.name
+    nb = nbformat.read(executed, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [_strip(o, limits) for o in cell.outputs]
+    from .stack import software_stack
+
+    results = state.read_json(Path(executed).parent.parent / "results" / f"{executed.stem}.json", {},
+                              what="results sidecar") or {}
+    nb.metadata[KEY] = {
+        "solution": f"solutions/{solution.name}",
+        "solution_sha256": source_hash(nbformat.read(solution, as_version=4)),
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(_git("status", "--porcelain", "--", "solutions", "utils")),
+        "device": device or (results.get("device") or {}).get("name"),
+        "software": results.get("software") or software_stack(),
+        "run_id": results.get("run_id"),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    text = nbformat.writes(nb) + "\n"
+    if len(text.encode()) > MAX_COPY_BYTES:
+        raise ValueError(f"{executed.name}: the copy would be {len(text) // 2**20} MiB (limit "
+                         f"{MAX_COPY_BYTES // 2**20} MiB); lower the output limits")
+    return state.write_text_atomic(Path(out_dir) / executed.name, text)
+
+
+def stale(out_dir: Path = COPIES, solutions_dir: Path = SOLUTIONS) -> dict[str, str]:
+    """{lab: why} for every solution whose executed copy is missing, unstamped or older than it."""
+    found = {}
+    for solution in sorted(Path(solutions_dir).glob("*.ipynb")):
+        copy = Path(out_dir) / solution.name
+        if not copy.exists():
+            found[solution.stem] = "no executed copy yet"
+            continue
+        stamp = nbformat.read(copy, as_version=4).metadata.get(KEY)
+        if not stamp:
+            found[solution.stem] = "the copy has no course_executed stamp"
+        elif stamp.get("solution_sha256") != source_hash(nbformat.read(solution, as_version=4)):
+            found[solution.stem] = (f"older than its solution (executed at commit {str(stamp.get('commit'))[:10]} "
+                                    f"on {stamp.get('date', '?')[:10]}; the solution changed since)")
+    return found
+
+
+def describe(out_dir: Path = COPIES, solutions_dir: Path = SOLUTIONS) -> list[str]:
+    """One line per lab for the report: where its GPU copy is, what it came from, and whether it is current."""
+    why = stale(out_dir, solutions_dir)
+    lines = []
+    for solution in sorted(Path(solutions_dir).glob("*.ipynb")):
+        copy = Path(out_dir) / solution.name
+        rel = copy.relative_to(REPO_ROOT) if copy.is_relative_to(REPO_ROOT) else copy
+        if solution.stem in why and not copy.exists():
+            lines.append(f"- {solution.stem}: {why[solution.stem]}")
+            continue
+        stamp = nbformat.read(copy, as_version=4).metadata.get(KEY) or {}
+        origin = (f"{stamp.get('device', '?')}, commit {str(stamp.get('commit'))[:10]}, {stamp.get('date', '?')[:10]}, "
+                  f"torch {stamp.get('software', {}).get('torch', '?')}")
+        lines.append(f"- {solution.stem}: `{rel}` ({origin})"
+                     + (f" — **{why[solution.stem]}**" if solution.stem in why else " — current"))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m utils.executed", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    cp = sub.add_parser("copy", help="stamp executed notebooks and write them to docs/executed/")
+    cp.add_argument("notebooks", nargs="+", type=Path)
+    cp.add_argument("--out", type=Path, default=COPIES)
+    cp.add_argument("--device", help="the GPU's name, if the results sidecars are missing")
+    sub.add_parser("check", help="list the copies that are missing or older than their solutions (exit 1)")
+    args = ap.parse_args(argv)
+    if args.cmd == "copy":
+        for nb in args.notebooks:
+            print(make_copy(nb, args.out, device=args.device))
+        return 0
+    for line in describe():
+        print(line)
+    return 1 if stale() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

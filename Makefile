@@ -114,7 +114,8 @@ test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a Jupyt
 	  { $(SUDO) apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; }
 	$(PY) -c "import selenium, jupyterhub" 2>/dev/null || $(PIP) selenium jupyterhub
-	command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq npm >/dev/null
+	command -v npm >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq npm >/dev/null; }
 	test -x $(WORKSHOP_NODE)/node_modules/.bin/configurable-http-proxy || \
 	  npm install --silent --no-fund --no-audit --prefix $(WORKSHOP_NODE) configurable-http-proxy@4.6.3
 	mkdir -p build/workshop

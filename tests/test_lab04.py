@@ -174,10 +174,34 @@ def test_unsupported_inputs_raise_a_clear_value_error(lab, case):
     (dict(BLOCK_M=8, BLOCK_N=8), "power of two from 16"), (dict(BLOCK_M=64), "must be a dict with BLOCK_M and BLOCK_N"),
     (dict(BLOCK_M=64, BLOCK_N=32, num_warps=3), "num_warps=3 must be a power of two"),
     (dict(BLOCK_M=64, BLOCK_N=32, stages=2), "unknown keys"), (None, "must be a dict"),
+    (dict(BLOCK_M=64, BLOCK_N=32, maxnreg=300), r"maxnreg=300 \(registers per thread, CUDA\) must be a whole number "
+                                                r"from 32 to 255"),
+    (dict(BLOCK_M=64, BLOCK_N=32, maxnreg="128"), "maxnreg='128'"), (dict(BLOCK_M=64, BLOCK_N=32, maxnreg=True), "maxnreg"),
 ])
 def test_bad_tiles_raise_a_clear_value_error(lab, config, message):
     with pytest.raises(ValueError, match=message):
         lab.check_config(config)
+
+
+def test_the_hopper_tiles_for_d128_let_two_blocks_share_an_sm(lab):
+    """hopper_configs(128, ...) caps the registers so that two blocks of its warps fit an SM's 65,536 (the shared
+    memory side is checked on the compiled kernel: the AOT test below and the lab's section 8); both masks."""
+    for causal in (False, True):
+        tiles = lab.check_config(lab.hopper_configs(128, causal)[0])
+        assert 2 * tiles["maxnreg"] * 32 * tiles["num_warps"] <= 65536, tiles
+
+
+def test_the_recorded_hopper_profile_is_whole():
+    """utils/reference/h100_attention_profile.json, which lab 04 prints: both masks timed against cuDNN in one run,
+    the lab's kernel among them and right, and an Nsight Compute profile of the lab's tiles and of cuDNN."""
+    profile = solutions.report.load_reference("h100_attention_profile")
+    assert profile["all_right"] and profile["software"]["triton"] and profile["date"]
+    for mask in ("causal=False", "causal=True"):
+        row = profile["tflops"][mask]
+        assert {"SDPA CUDNN", "lab hopper_attention", "2 CTAs/SM 128x64 s2 r128"} <= set(row)
+        assert 0 < row["lab hopper_attention"] / row["SDPA CUDNN"] < 1.5
+    for name in ("2_CTAs_SM_128x64_s2_r128_full", "2_CTAs_SM_128x64_s2_r128_causal", "cudnn_full", "cudnn_causal"):
+        assert 0 < profile["profiles"][name]["tensor_pipe_pct"] <= 100, name
 
 
 # --- machine code: every head dim fits both vendors' GPUs ---------------------------------------------
@@ -214,6 +238,8 @@ def test_every_head_dim_compiles_for_gfx942_and_sm_90_within_shared_memory(lab, 
         assert len(built) == len(HEAD_DIMS) + 2
         for d, (shared, matrix) in built.items():
             assert 0 < shared <= lab.SHARED_LIMIT[target.split("+")[0]], f"{target} D={d}: {shared} bytes"
+            if target == "sm_90+tma" and d.split()[0] == "128":    # two blocks per SM: 228 KB, 1 KB reserved each
+                assert 2 * (shared + 1024) <= 228 * 1024, f"D={d}: {shared} bytes leave room for one block per SM"
             assert matrix > 0, f"{target} D={d}: no matrix instructions"
 
 

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
+from bench.lab04_attention import sdpa  # noqa: E402
 from utils import timing  # noqa: E402
 
 START = time.time()
@@ -223,13 +223,6 @@ ABLATIONS = {"no exp2": 1, "no rescale": 2, "no softmax (matmuls only)": 3}
 
 def log(msg):
     print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
-
-
-def sdpa(backend):
-    def run(q, k, v, causal=False):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
 
 
 def load_lab():

@@ -165,10 +165,15 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
     os.environ.update(notebook_env())
     os.environ["COURSE_RUN_ID"] = run_id
 
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stopping = []
 
     def terminate(signum, frame):
-        raise Terminated(signal.Signals(signum).name)
+        # End the kernel first: papermill's wait for the running cell can miss the KeyboardInterrupt (it may land
+        # in a thread or callback that swallows it), and a dead kernel ends that wait whatever happens to it.
+        stopping.append(signal.Signals(signum).name)
+        _kill_kernels()
+        raise KeyboardInterrupt("SIGINT") if signum == signal.SIGINT else Terminated(stopping[-1])
 
     for sig in previous:
         signal.signal(sig, terminate)
@@ -192,6 +197,11 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
                 entry["error"] = f"interrupted ({stop.args[0] if stop.args else 'SIGINT'})"
                 raise
             except Exception as exc:  # a failing lab must not stop the others
+                if stopping:          # the kernel was ended by a signal whose KeyboardInterrupt got lost
+                    entry["status"] = "interrupted"
+                    entry["error"] = f"interrupted ({stopping[0]})"
+                    raise (KeyboardInterrupt("SIGINT") if stopping[0] == "SIGINT" else Terminated(stopping[0])) \
+                        from exc
                 entry["status"] = "failed"
                 entry["error"] = _short_error(exc)
                 bar.write(f"FAILED {nb.name}: {entry['error']} (see {entry['executed']})")
@@ -210,6 +220,26 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status
+
+
+def _kill_kernels() -> None:
+    """SIGKILL this process's Jupyter kernels (children running ipykernel); Linux /proc, elsewhere nothing."""
+    me = os.getpid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ipykernel" in f.read():
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 def _short_error(exc: Exception) -> str:

@@ -28,7 +28,7 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from utils import solutions  # noqa: E402
 from utils.exercises import ExerciseFailed  # noqa: E402
 
-from workshop_support import copy_checkout, free_port  # noqa: E402
+from workshop_support import copy_checkout, free_port, wait_until_serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("COURSE_WORKSHOP_ARTIFACTS") or ROOT / "build" / "workshop")
@@ -54,15 +54,8 @@ def lab(tmp_path_factory):
             cwd=copy, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"make lab did not serve ({proc.poll()}):\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_until_serving(lambda: urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2), proc,
+                           lambda: f"make lab did not serve ({proc.poll()}):\n{log_path.read_text()[-3000:]}")
         yield base, log_path, copy
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -30,7 +30,7 @@ if os.environ.get("COURSE_WORKSHOP_TESTS") != "1":
 
 from tornado.httpclient import HTTPRequest  # noqa: E402
 from tornado.websocket import websocket_connect  # noqa: E402
-from workshop_support import ROOT, copy_checkout, free_port  # noqa: E402
+from workshop_support import ROOT, copy_checkout, free_port, wait_until_serving  # noqa: E402
 
 LEARNERS = ("ada", "grace", "linus")
 TOKEN = uuid.uuid4().hex
@@ -111,15 +111,8 @@ def hub(tmp_path_factory):
                             cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                api(base, "/hub/api/", timeout=3)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"jupyterhub did not start ({proc.poll()}); see build/workshop/jupyterhub.log")
-                time.sleep(0.5)
+        wait_until_serving(lambda: api(base, "/hub/api/", timeout=3), proc,
+                           lambda: f"jupyterhub did not start ({proc.poll()}); see build/workshop/jupyterhub.log")
         yield base, checkout, homes
     finally:
         for name in LEARNERS:

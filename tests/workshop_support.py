@@ -1,8 +1,12 @@
-"""Helpers of the workshop tests (tests/test_workshop_*.py): a fresh copy of the checkout, free ports."""
+"""Helpers of the workshop tests (tests/test_workshop_*.py): a fresh copy of the checkout, free ports, waiting for a
+server to answer."""
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +28,16 @@ def copy_checkout(dest: Path) -> Path:
             shutil.copy2(src, dest / name)
     (dest / ".venv").symlink_to((ROOT / ".venv").resolve())
     return dest
+
+
+def wait_until_serving(probe, proc: subprocess.Popen, failure, timeout: float = 90.0) -> None:
+    """Call `probe` until it no longer raises OSError; pytest.fail(failure()) if `proc` exits or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            probe()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(failure())
+            time.sleep(0.5)

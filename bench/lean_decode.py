@@ -12,7 +12,7 @@ What it does, in order, each phase timed and guarded (a failing phase prints its
 2. the ceiling: copy bandwidth of 1 GiB (as lab 05 measures it) / models.weight_bytes(model);
 3. transformers' eager greedy `generate` (dynamic cache): the reference tokens and logits for the
    first CHECK steps, and its decode rate;
-4. utils.decode.LeanDecoder variants (fused or not, attention kind, compile options): compile time,
+4. utils.llm.decode.LeanDecoder variants (fused or not, attention kind, compile options): compile time,
    tokens against the reference, decode rate (prefill removed), a kernel profile of one step;
 5. `generate(cache_implementation="static")` (transformers compiles the forward): rate and profile;
 6. transformers' continuous batching at concurrency 1 (the engine of `transformers serve`): the
@@ -80,7 +80,7 @@ def main() -> int:
     import torch
 
     if args.smoke:
-        from utils import models
+        from utils.llm import models
 
         models.SHAPES["smoke"] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False)
@@ -92,7 +92,8 @@ def main() -> int:
     import transformers
     import triton
 
-    from utils import decode, models, timing
+    from utils import timing
+    from utils.llm import decode, models
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     device_name = "CPU (smoke run)" if args.smoke else torch.cuda.get_device_properties(dev).name

@@ -16,8 +16,31 @@ try:
 except ImportError:
     pass
 
+from utils.base.paths import run_environment  # noqa: E402
+
+# The course's run environment (course.env) also when pytest is started without make; a value already set wins.
+os.environ.update(run_environment())
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
+
+# `make test` runs two xdist workers with `--dist loadscope`: a notebook's cells (nbval), a test module, and a test
+# class stay on one worker (each generated lab's run is a class of its own: tests/test_notebooks.py). With
+# `--no-loadscope-reorder` the scopes go out in collection order, which this hook makes longest first, so that
+# neither worker is left with the long tail. Seconds: `make test` (docs/authoring.md's budget table; refresh with
+# `python tests/budget.py --write`). Scopes not listed are short and follow in collection order.
+LONGEST_FIRST = json.loads((DATA / "test_groups.json").read_text())["seconds"]
+
+
+def xdist_scope_of(nodeid: str) -> str:
+    """What `--dist loadscope` keeps on one worker: a test's module, class or notebook."""
+    return nodeid.rsplit("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    order = {scope: i for i, scope in enumerate(sorted(LONGEST_FIRST, key=LONGEST_FIRST.get, reverse=True))}
+    items.sort(key=lambda item: order.get(xdist_scope_of(item.nodeid), len(order)))   # stable: cells keep their order
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +49,17 @@ def recorded():
     data = json.loads((DATA / "device_properties.json").read_text())
     data.pop("_about")
     return data
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test starts from the same environment: what a test (or the harness it runs in-process, which sets
+    COURSE_RUN_ID and the notebooks' environment) changes in os.environ ends with it."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

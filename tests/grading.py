@@ -6,7 +6,8 @@ from pathlib import Path
 
 import nbformat
 
-from utils import harness, solutions
+from utils import solutions
+from utils.machinery import harness, labs
 
 
 def errors(nb) -> list[tuple[str, str]]:
@@ -55,7 +56,7 @@ def run_lab_with(lab: str, answers: dict, tmp_path: Path, parameters: dict | Non
     (executed notebook, (ename, evalue) of the error that stopped it, or None)."""
     import papermill as pm
 
-    nb = solutions.lab_with_answers(lab, answers)
+    nb = labs.lab_with_answers(lab, answers)
     try:
         return run_notebook(nb, tmp_path, {"DEVICE": "cpu", **(parameters or {})}), None
     except pm.PapermillExecutionError as err:

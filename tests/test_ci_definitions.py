@@ -84,7 +84,7 @@ def test_course_device_from_the_environment_reaches_make_run():
         if env_device:
             env["COURSE_DEVICE"] = env_device
         out = subprocess.run(["make", "-n", "run", *args], cwd=ROOT, env=env, capture_output=True, text=True).stdout
-        return next(line for line in out.splitlines() if "utils.harness run" in line)
+        return next(line for line in out.splitlines() if "utils.machinery.harness run" in line)
 
     assert "--device cpu" in dry("cpu")
     assert "--device gpu" in dry("cpu", "DEVICE=gpu")

@@ -1,11 +1,11 @@
-"""utils.decode: the lean decoder gives generate's tokens and logits, its checks can fail, bad input is refused."""
+"""utils.llm.decode: the lean decoder gives generate's tokens and logits, its checks can fail, bad input is refused."""
 import math
 
 import pytest
 import torch
 
-from utils import decode, models
-from utils.decode import LeanDecoder
+from utils.llm import decode, models
+from utils.llm.decode import LeanDecoder
 
 
 def llama(seed=0, dtype=torch.float32, **overrides):

@@ -1,4 +1,4 @@
-"""The environment doctor (utils.doctor): facts as data, a pure verdict, the described machines, parsing the vendors'
+"""The environment doctor (utils.clinic.doctor): facts as data, a pure verdict, the described machines, parsing the vendors'
 tools, and a gather() that never hangs."""
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from conftest import ROOT
-from utils import doctor
-from utils.doctor import COMPATIBLE, CPU_ONLY, SUPPORTED, UNSUPPORTED, Facts
+from utils.clinic import doctor
+from utils.clinic.doctor import COMPATIBLE, CPU_ONLY, SUPPORTED, UNSUPPORTED, Facts
 
 MACHINES = doctor.machines()
 
@@ -190,10 +190,10 @@ def test_facts_round_trip_through_json_and_refuse_unknown_fields():
                                                   ("h100", 0, "verdict: SUPPORTED"),
                                                   ("gfx1151_override", 0, "verdict: COMPATIBLE (gfx1151 runs gfx1100 code)")])
 def test_the_command_line(machine, code, words):
-    run = subprocess.run([sys.executable, "-m", "utils.doctor", "--machine", machine], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "utils.clinic.doctor", "--machine", machine], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == code, run.stderr
     assert words in run.stdout
-    as_json = subprocess.run([sys.executable, "-m", "utils.doctor", "--machine", machine, "--json"], cwd=ROOT,
+    as_json = subprocess.run([sys.executable, "-m", "utils.clinic.doctor", "--machine", machine, "--json"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert Facts.from_json(json.loads(as_json.stdout)) == doctor.load_fixture(machine)

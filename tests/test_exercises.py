@@ -8,6 +8,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from utils import exercises, solutions
+from utils.machinery import labs
 from utils.exercises import ExerciseFailed
 
 
@@ -56,7 +57,7 @@ def test_malformed_regions_are_named(source, message):
 
 
 def test_stubs_raise_in_python_and_compile_in_triton():
-    nb = solutions._fill(notebook(PY, KERNEL), "x", None, stubs=True)
+    nb = solutions.fill_regions(notebook(PY, KERNEL), "x", None, stubs=True)
     py, kernel = nb.cells[0].source, nb.cells[1].source
     assert "BEGIN SOLUTION" not in py + kernel and "TODO(9.1" in py and "TODO(9.2" in kernel
     assert 'raise NotImplementedError("exercise not done: 9.1' in py
@@ -68,11 +69,11 @@ def test_stubs_raise_in_python_and_compile_in_triton():
 
 
 def test_answers_replace_regions_with_their_indentation():
-    nb = solutions._fill(notebook(PY, KERNEL), "x", {"9.1": "y = x + x\nreturn y", "9.2": "x = x + x"}, stubs=True)
+    nb = solutions.fill_regions(notebook(PY, KERNEL), "x", {"9.1": "y = x + x\nreturn y", "9.2": "x = x + x"}, stubs=True)
     assert "    y = x + x\n    return y" in nb.cells[0].source
     assert "        x = x + x" in nb.cells[1].source
     with pytest.raises(ValueError, match=r"has no exercise \['9.9'\]"):
-        solutions._fill(notebook(PY), "x", {"9.9": "pass"}, stubs=True)
+        solutions.fill_regions(notebook(PY), "x", {"9.9": "pass"}, stubs=True)
 
 
 def test_grade_pass_not_done_and_wrong(build_dir, capsys):
@@ -101,7 +102,7 @@ def test_grade_pass_not_done_and_wrong(build_dir, capsys):
 
 
 def test_a_kernel_that_still_holds_its_stub_is_not_done_without_running_it(build_dir, capsys, tmp_path):
-    source = solutions._fill(notebook(KERNEL), "x", None, stubs=True).cells[0].source
+    source = solutions.fill_regions(notebook(KERNEL), "x", None, stubs=True).cells[0].source
     path = tmp_path / "kern.py"
     path.write_text(source)
     import importlib.util
@@ -162,7 +163,7 @@ def test_load_exports_modules_with_answers_and_stubs(build_dir):
 
 
 def test_lab_with_answers_is_the_generated_lab_plus_those_answers():
-    nb = solutions.lab_with_answers("00", {"0.2": "return 3 * n * itemsize"})
+    nb = labs.lab_with_answers("00", {"0.2": "return 3 * n * itemsize"})
     text = "\n".join(c.source for c in nb.cells)
     assert "return 3 * n * itemsize" in text and 'raise NotImplementedError("exercise not done: 0.1' in text
     assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code")

@@ -12,7 +12,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from conftest import ROOT
-from utils import harness, processes
+from utils.base import processes
+from utils.machinery import harness
 
 
 def write_nb(path, *cells, parameters='DEVICE = "auto"'):
@@ -30,8 +31,8 @@ def status_of(build_dir):
 def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
     bad = write_nb(tmp_path / "10_broken.ipynb", "raise RuntimeError('the kernel did not compile')")
     good = write_nb(tmp_path / "20_fine.ipynb",
-                    "from utils import device, report\n"
-                    "rec = report.start('20_fine', device.detect(DEVICE))\n"
+                    "from utils import device, record\n"
+                    "rec = record.start('20_fine', device.detect(DEVICE))\n"
                     "rec.metric('fine.value', 42.0, 'GB/s')")
     assert harness.main(["run", "--device", "cpu", str(bad), str(good)]) == 1
     status = status_of(build_dir)
@@ -124,7 +125,7 @@ def test_an_interrupted_run_says_so_and_leaves_no_kernel(tmp_path, build_dir, si
     later = write_nb(tmp_path / "72_later.ipynb", "print('later')")
     mark = tmp_path / "kernel.pid"
     env = dict(os.environ, COURSE_BUILD_DIR=str(build_dir), MARK=str(mark), PYTHONPATH=str(ROOT))
-    run = subprocess.Popen([sys.executable, "-m", "utils.harness", "run", "--device", "cpu",
+    run = subprocess.Popen([sys.executable, "-m", "utils.machinery.harness", "run", "--device", "cpu",
                             str(first), str(sleepy), str(later)], cwd=ROOT, env=env, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

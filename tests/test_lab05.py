@@ -4,7 +4,8 @@ through the solution's exported cells, and the generated lab run once with paper
 import pytest
 
 from grading import run_lab_with, stream_text
-from utils import models, solutions
+from utils import solutions
+from utils.llm import models
 from utils.exercises import ExerciseFailed
 
 LAB = "05_llm_serving"
@@ -160,7 +161,7 @@ def test_request_metrics_wrong_answers_fail_with_their_hint(answer, hint):
 
 
 def test_the_reference_metrics_are_the_load_generators():
-    from utils import loadgen
+    from utils.llm import loadgen
 
     m = lab()
     for what, start, chunks, end, n in [*m.METRIC_CASES, *m._random_cases()]:

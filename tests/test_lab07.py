@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from grading import run_lab_with, stream_text
-from utils import divergence as dv, faults, simt, solutions, traces
+from utils import simt, solutions
+from utils.clinic import divergence as dv, faults, traces
 from utils.exercises import ExerciseFailed
 
 
@@ -339,7 +340,7 @@ def test_grader_7_3(ref, tiny):
     alt = _answers("7.3", "    return torch.nn.functional.linear(x, weight)")    # the library sums in fp32 too
     alt.check_gemv(alt.gemv, model, captured, tokens, 6)
     for code, hint in GEMV_WRONG:
-        wrong = solutions.load("07", answers={"7.3": "    from utils import faults\n" + code if "faults" in code else code})
+        wrong = solutions.load("07", answers={"7.3": "    from utils.clinic import faults\n" + code if "faults" in code else code})
         with pytest.raises(ExerciseFailed, match=hint):
             wrong.check_gemv(wrong.gemv)
 
@@ -372,7 +373,7 @@ def test_grader_7_4(ref, tiny):
     alt.check_keep_mask(alt.keep_mask, model, captured, tokens, 6)
     assert model.config._attn_implementation == "sdpa"
     for code, hint in MASK_WRONG:
-        wrong = _answers("7.4", "    from utils import faults\n" + code)
+        wrong = _answers("7.4", "    from utils.clinic import faults\n" + code)
         with pytest.raises(ExerciseFailed, match=hint):
             wrong.check_keep_mask(wrong.keep_mask)
 
@@ -404,7 +405,7 @@ def test_grader_7_5(ref, tiny):
 def test_the_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path, build_dir):
     """The learner's lab (tiny random model) with an alternative 7.1 and the fault itself as 7.4's answer: 7.1
     passes, 7.2 and 7.3 say NOT DONE, 7.4 stops Run All with the checker's hint."""
-    nb, error = run_lab_with("07", {"7.1": RUNNABLE_ALT, "7.4": "    from utils import faults\n" + MASK_WRONG[0][0]},
+    nb, error = run_lab_with("07", {"7.1": RUNNABLE_ALT, "7.4": "    from utils.clinic import faults\n" + MASK_WRONG[0][0]},
                              tmp_path, {"CLINIC_MODEL": "random", "NEW_TOKENS": 4})
     text = stream_text(nb)
     assert "PASS: exercise 7.1 " in text

@@ -1,4 +1,4 @@
-"""utils.loadgen without a server: the metric definitions on synthetic streams (role-only and usage chunks,
+"""utils.llm.loadgen without a server: the metric definitions on synthetic streams (role-only and usage chunks,
 multi-token chunks, one-token answers), seeded arrivals (Poisson, bursty, constant), the closed and open
 loops against a fake engine (warm-up left out, a failed request counted and the level goes on, queueing
 seen from the scheduled arrival), and throughput and goodput over the measured window."""
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from utils import loadgen
-from utils.loadgen import Request, Stream, request_metrics
+from utils.llm import loadgen
+from utils.llm.loadgen import Request, Stream, request_metrics
 
 ms = 1e-3
 
@@ -90,9 +90,9 @@ def test_arrivals_are_seeded_at_the_rate_with_the_asked_burstiness():
 
 def test_the_labs_arrival_kinds():
     """ARRIVALS of lab 05: its allowed names are loadgen's, and each gives its spread of gaps."""
-    from utils import params
+    from utils.machinery import parameters
 
-    assert set(params.SPECS["ARRIVALS"].allowed) == set(loadgen.BURSTINESS)
+    assert set(parameters.SPECS["ARRIVALS"].allowed) == set(loadgen.BURSTINESS)
     spread = {k: cv(loadgen.arrival_times(50, 200, burstiness=b, seed=3)) for k, b in loadgen.BURSTINESS.items()}
     assert spread["constant"] == pytest.approx(0, abs=1e-6)
     assert spread["poisson"] == pytest.approx(1, abs=0.05)

@@ -1,8 +1,8 @@
-"""utils.models: published shapes, the ceiling and KV arithmetic, SmolLM2 from its wheel, random models."""
+"""utils.llm.models: published shapes, the ceiling and KV arithmetic, SmolLM2 from its wheel, random models."""
 import pytest
 import torch
 
-from utils import models
+from utils.llm import models
 
 
 @pytest.mark.parametrize("shape, published", [("llama-3.2-1b", 1.24e9), ("llama-3.1-8b", 8.03e9),
@@ -81,7 +81,7 @@ def test_a_damaged_cached_model_is_rebuilt_not_reused(tmp_path, monkeypatch):
     """A truncated safetensors file (a full disk, a killed copy) is found by the manifest and rebuilt."""
     import warnings
 
-    from utils import state
+    from utils.base import state
 
     folder = tmp_path / "course-bpe"
     text = tmp_path / "corpus.txt"

@@ -5,16 +5,23 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from conftest import ROOT, notebook_device
 from grading import errors, run_notebook, stream_text
-from utils import harness, params, report, solutions
-from utils.exercises import STUB, is_exercise_stub_error
+from utils import record, solutions
+from utils.exercises import is_exercise_stub_error
+from utils.params import ParameterError
+from utils.machinery import harness, labs, parameters
+from utils.solutions import STUB
 
 SOLUTIONS = solutions.solution_notebooks()
+# Each notebook runs once in `make test`: the solutions under nbval with their defaults, the generated labs here.
+# Lab 06's lab runs as on one GPU (RANKS=1), so that both paths are run without a third execution.
+ONE_RUN_PARAMETERS = {"06_multi_gpu": {"RANKS": 1}}
 LABS = [solutions.LABS / s.name for s in SOLUTIONS]
 
 
@@ -22,30 +29,47 @@ def test_there_are_notebooks():
     assert [s.name for s in SOLUTIONS][:1] == ["00_environment.ipynb"]
 
 
-@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
-def test_lab_runs_to_the_end_with_every_exercise_not_done(lab, build_dir, tmp_path):
-    """Run All on a fresh lab: no error, a NOT DONE line per exercise, and the later sections (figures,
-    measurements, machine code) still ran on the course's reference answers."""
-    nb = run_notebook(lab, tmp_path, {"DEVICE": notebook_device()})
-    assert errors(nb) == []
-    text = stream_text(nb)
-    for ex_id in solutions.exercises(solutions.read(solutions.notebook_path(lab.stem)), lab.name):
-        assert f"NOT DONE: exercise {ex_id} " in text, f"exercise {ex_id} did not say NOT DONE"
-    assert "PASS: exercise" not in text, "an unfinished exercise passed"
-    recorded = report.load_results(build_dir / "results")[lab.stem]
-    assert recorded["metrics"], "the lab recorded no headline figures"
-    assert recorded["figures"], "the lab drew no figure"
-    if lab.stem == "05_llm_serving":
-        # a real server answered, the load test measured and plotted, and the server is gone
-        answer = re.search(r"answer \((\d+) tokens, first after \d+ ms\): (['\"])(.+)\2", text)
-        assert answer and int(answer.group(1)) > 0 and len(answer.group(3)) > 20, text[-2000:]
-        assert "PASS: the server's process group is gone and its port closed" in text
-        assert {"serving.throughput_c1_tokens_per_s", "serving.batching_gain"} <= set(recorded["metrics"])
-        assert "05_llm_serving/load_test.png" in recorded["figures"]
+class LabRun:
+    """One generated lab, run once (a class per lab below: xdist's loadscope then gives each lab's run to either
+    worker, longest first)."""
+    lab: Path
+
+    def test_runs_to_the_end_with_every_exercise_not_done(self, build_dir, tmp_path):
+        """Run All on a fresh lab: no error, a NOT DONE line per exercise, and the later sections (figures,
+        measurements, machine code) still ran on the course's reference answers."""
+        lab = self.lab
+        nb = run_notebook(lab, tmp_path, {"DEVICE": notebook_device(), **ONE_RUN_PARAMETERS.get(lab.stem, {})})
+        assert errors(nb) == []
+        text = stream_text(nb)
+        for ex_id in solutions.exercises(solutions.read(solutions.notebook_path(lab.stem)), lab.name):
+            assert f"NOT DONE: exercise {ex_id} " in text, f"exercise {ex_id} did not say NOT DONE"
+        assert "PASS: exercise" not in text, "an unfinished exercise passed"
+        recorded = record.load_results(build_dir / "results")[lab.stem]
+        assert recorded["metrics"], "the lab recorded no headline figures"
+        assert recorded["figures"], "the lab drew no figure"
+        if lab.stem == "06_multi_gpu":
+            # RANKS=1, what one GPU gets: the multi-rank sections say SKIP, the one-process baseline and the launcher's
+            # demonstrations still run (the solution's nbval run covers the 2-rank sections)
+            assert "SKIP: collectives need two ranks; RANKS=1" in text
+            assert "SKIP: tensor parallelism needs two ranks; RANKS=1" in text
+            assert "PASS: one process, by hand (eager): logits within 0.0001 of transformers'" in text
+            assert "PASS: the failing rank's own error was shown, and no process or port of the run is left" in text
+            assert "PASS: two torchrun agents formed one group of 2 ranks" in text
+        if lab.stem == "05_llm_serving":
+            # a real server answered, the load test measured and plotted, and the server is gone
+            answer = re.search(r"answer \((\d+) tokens, first after \d+ ms\): (['\"])(.+)\2", text)
+            assert answer and int(answer.group(1)) > 0 and len(answer.group(3)) > 20, text[-2000:]
+            assert "PASS: the server's process group is gone and its port closed" in text
+            assert {"serving.throughput_c1_tokens_per_s", "serving.batching_gain"} <= set(recorded["metrics"])
+            assert "05_llm_serving/load_test.png" in recorded["figures"]
+
+
+for _lab in LABS:
+    globals()[f"TestLab_{_lab.stem}"] = type(f"TestLab_{_lab.stem}", (LabRun,), {"lab": _lab})
 
 
 def test_labs_are_up_to_date():
-    assert harness.write_labs(check=True) == [], "run `make labs`"
+    assert labs.write_labs(check=True) == [], "run `make labs`"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
@@ -65,8 +89,8 @@ def test_one_parameters_cell_every_parameter_known(solution):
     assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
     assert 'DEVICE = "auto"' in tagged[0].source
     for name, default in harness.declared_parameters(solution).items():
-        assert name in params.SPECS, f"{name} is not in utils.params.SPECS: the harness cannot check it"
-        params.validate(name, default)
+        assert name in parameters.SPECS, f"{name} is not in utils.machinery.parameters.SPECS: the harness cannot check it"
+        parameters.validate(name, default)
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
@@ -145,13 +169,13 @@ def test_every_parameter_rejects_a_bad_value_by_name_in_the_check_cell(solution,
     for name in harness.declared_parameters(solution):
         if name == "DEVICE":
             continue
-        bad = BAD_VALUE[params.SPECS[name].kind]
+        bad = BAD_VALUE[parameters.SPECS[name].kind]
         scope = {}
         with monkeypatch.context() as m:
             m.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
             exec(compile(nb.cells[i].source, "parameters", "exec"), scope)
             scope[name] = bad
             scope["DEVICE"] = "cpu"
-            with pytest.raises(params.ParameterError) as err:
+            with pytest.raises(ParameterError) as err:
                 exec(compile(check_cell.source, "check", "exec"), scope)
         assert str(err.value).startswith(f"{name}=") or f"{name}[" in str(err.value), (name, str(err.value))

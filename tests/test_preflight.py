@@ -1,13 +1,14 @@
-"""utils.preflight (`make check`): made-up machines give the right verdicts, fixes and exit codes."""
+"""utils.machinery.preflight (`make check`): made-up machines give the right verdicts, fixes and exit codes."""
 import subprocess
 import sys
 
 import pytest
 
-from utils import preflight
-from utils.preflight import FAIL, GIB, OK, WARN
+from utils.machinery import preflight
+from utils.base.paths import REPO_ROOT
+from utils.machinery.preflight import FAIL, GIB, OK, WARN
 
-ROOT = preflight.Path(preflight.__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def facts(**changes):

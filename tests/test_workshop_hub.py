@@ -89,7 +89,7 @@ def hub(tmp_path_factory):
         shutil.copytree(models / "smollm2-135m-instruct", checkout / "build" / "models" / "smollm2-135m-instruct",
                         copy_function=os.link)
     else:
-        subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", "from utils import models; models.smollm2()"],
+        subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", "from utils.llm import models; models.smollm2()"],
                        cwd=checkout, env=dict(os.environ, PYTHONPATH=str(checkout)), check=True, timeout=300)
     homes, state = tmp / "homes", tmp / "state"
     homes.mkdir()

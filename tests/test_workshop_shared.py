@@ -8,7 +8,11 @@ import nbformat
 import pytest
 
 from utils import device as devices
-from utils import executed, models, params, report, solutions
+from utils import params, solutions
+from utils.base import paths
+from utils.machinery import labs, report
+from utils.llm import models
+from utils.machinery import executed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,14 +68,14 @@ def test_models_and_build_fall_back_to_the_learners_own_folders(tmp_path, monkey
     monkeypatch.delenv("COURSE_MODELS_DIR", raising=False)
     monkeypatch.delenv("COURSE_BUILD_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    shared = report.REPO_ROOT / "build"
+    shared = paths.REPO_ROOT / "build"
     real_access = models.os.access
     def read_only_checkout(p, mode):   # the checkout and everything in it, as for a learner on a hub
         p = Path(models.os.path.abspath(p))   # not resolved: build/models may be a link elsewhere
-        return False if p == report.REPO_ROOT or p.is_relative_to(shared) else real_access(p, mode)
+        return False if p == paths.REPO_ROOT or p.is_relative_to(shared) else real_access(p, mode)
 
     monkeypatch.setattr(models.os, "access", read_only_checkout)
-    assert report.build_dir() == tmp_path / "home" / ".cache" / "rocm-cuda-labs" / "build"
+    assert paths.build_dir() == tmp_path / "home" / ".cache" / "rocm-cuda-labs" / "build"
     assert models.models_dir() == tmp_path / "home" / ".cache" / "rocm-cuda-labs" / "build" / "models"
     monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "learner" / "build"))
     assert models.models_dir() == tmp_path / "learner" / "build" / "models"
@@ -147,8 +151,8 @@ def test_learner_settings_hide_news_and_nbgrader():
 def test_labs_carry_complete_notebook_metadata():
     for lab in sorted(solutions.LABS.glob("*.ipynb")):
         meta = nbformat.read(lab, as_version=4).metadata
-        assert meta["kernelspec"] == solutions.KERNELSPEC, lab.name
-        assert meta["language_info"] == solutions.LANGUAGE_INFO, lab.name
+        assert meta["kernelspec"] == labs.KERNELSPEC, lab.name
+        assert meta["language_info"] == labs.LANGUAGE_INFO, lab.name
 
 
 def test_write_solution_metadata_changes_only_the_metadata(tmp_path):
@@ -157,12 +161,12 @@ def test_write_solution_metadata_changes_only_the_metadata(tmp_path):
     nb = nbformat.read(src, as_version=4)
     nb.metadata["language_info"] = {"name": "python"}
     copy.write_text(nbformat.writes(nb) + "\n")
-    assert solutions.write_solution_metadata([copy]) == [copy]
+    assert labs.write_solution_metadata([copy]) == [copy]
     again = nbformat.read(copy, as_version=4)
-    assert again.metadata["language_info"] == solutions.LANGUAGE_INFO
+    assert again.metadata["language_info"] == labs.LANGUAGE_INFO
     assert [c.source for c in again.cells] == [c.source for c in nb.cells]
     assert [c.get("id") for c in again.cells] == [c.get("id") for c in nb.cells]
-    assert solutions.write_solution_metadata([copy]) == []         # already complete: not rewritten
+    assert labs.write_solution_metadata([copy]) == []         # already complete: not rewritten
 
 
 # --- executed GPU copies ------------------------------------------------------------------------------

@@ -1,12 +1,30 @@
-"""rocm-cuda-labs: shared helpers for every lab.
+"""rocm-cuda-labs' Python package: a small kit the notebooks import, one subpackage per lab family, the
+machinery that runs and builds the course, and a floor they all stand on. Imports run one way, downwards:
+machinery -> lab families -> kit -> base. Import the module you need (`from utils import timing`); this file
+imports nothing.
 
-utils.device (detection, peaks), utils.timing (benchmark), utils.params (parameter checks),
-utils.report (headline figures, the course report), utils.plots, utils.stack (software, install
-hints), utils.exercises (check helpers), utils.harness (make run / make labs).
+The kit (what a lab's notebook imports):
+    backend     a GPU vendor as one record: its words (wavefront/warp, CU/SM), torch module, compiler targets
+    device      which device the course runs on and its published peaks (utils/data/gpu_specs.toml)
+    timing      benchmark(): device events on a GPU, perf_counter on the CPU, with spread
+    params      checks for the values of a notebook's `parameters` cell (ParameterError)
+    record      a lab's headline figures and plots, recorded for the report (results/<lab>.json)
+    exercises   the exercises' contract: grade, NOT DONE, PASS, hints, the reference answer
+    solutions   the solution notebooks as code: exercise regions, stubs, exported modules (load())
+    plots       plots and Markdown tables shared by the labs
+    isa         kernels to machine code for both vendors, ahead of time, on any machine
+    occupancy   resident wavefronts/warps per CU/SM from a kernel's registers and shared memory
+    simt        a tiny SIMT machine: lanes in lock-step, divergence, masks (lab 02)
+    stack       the software stack, and how to install what is missing
+
+Lab families:
+    llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, loadgen
+    multigpu/   lab 06: topology, collectives, launch (torchrun ranks), tp (tensor parallelism)
+    clinic/     lab 07: doctor, divergence, faults, traces
+
+The machinery (make run, make labs, make report, make check; no notebook imports it):
+    machinery/  harness, labs, parameters, report, executed, preflight
+
+The floor (imports nothing else of the course):
+    base/       paths (files, build folder, course.env, ports), state (safe state files), processes
 """
-from .device import DeviceInfo, detect
-from .exercises import check
-from .params import ParameterError
-from .timing import benchmark
-
-__all__ = ["DeviceInfo", "detect", "check", "ParameterError", "benchmark"]

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import html
 import os
-import platform
+import platform as host
 import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Mapping
 
-from . import params
-from .params import ParameterError, choice
+from utils import backend
+from utils.base.paths import DATA_DIR
+from utils.params import ParameterError, choice
+from utils.timing import benchmark
 
-SPECS_FILE = Path(__file__).with_name("data") / "gpu_specs.toml"
-DEVICE_CHOICES = params.DEVICE_CHOICES
+SPECS_FILE = DATA_DIR / "gpu_specs.toml"
+DEVICE_CHOICES = backend.DEVICE_CHOICES
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,26 @@ class DeviceInfo:
     measured: bool = False            # the peaks were measured on this machine (a CPU), not published
 
     @property
+    def platform(self) -> backend.Backend:
+        """The backend's record: its words, its PyTorch module, its compiler (utils.backend)."""
+        return backend.get(self.backend)
+
+    @property
     def is_gpu(self) -> bool:
-        return self.backend in ("rocm", "cuda")
+        return self.platform.is_gpu
 
     @property
     def torch_device(self) -> str:
         """The device string for PyTorch: ROCm builds of PyTorch also call the GPU "cuda"."""
-        return "cuda" if self.is_gpu else "cpu"
+        return self.platform.torch_device
 
     @property
     def unit_name(self) -> str:
-        return {"rocm": "CUs", "cuda": "SMs"}.get(self.backend, "cores")
+        return self.platform.unit
 
     @property
     def lane_group(self) -> str:
-        return "wavefront" if self.backend == "rocm" else "warp"
+        return self.platform.lane_group
 
     def _fields(self) -> list[tuple[str, str]]:
         def num(v, fmt):
@@ -127,20 +133,16 @@ def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = No
     `hip` / `cuda` are `torch.version.hip` / `torch.version.cuda`; with neither, a `gcnArchName`
     that starts with "gfx" means ROCm."""
     name = str(_get(props, "name", "unknown GPU"))
-    gcn = str(_get(props, "gcnArchName", "") or "")
-    rocm = bool(hip) or (not cuda and gcn.startswith("gfx"))
+    given = {"hip": hip, "cuda": cuda}
+    plat = backend.of_torch_build(**given)
+    if not plat.is_gpu:                  # no version given: the properties tell
+        plat = next((b for b in backend.GPUS if b.arch_property
+                     and str(_get(props, b.arch_property) or "").startswith(b.arch_prefix)), backend.CUDA)
     notes: list[str] = []
-    if rocm:
-        if not gcn.startswith("gfx"):
-            raise ValueError(f"ROCm device {name!r} reports no gfx architecture (gcnArchName={gcn!r})")
-        backend, vendor, arch = "rocm", "AMD", parse_gcn_arch(gcn)
-        runtime = f"HIP {hip}" if hip else None
-    else:
-        major, minor = _get(props, "major"), _get(props, "minor")
-        if major is None or minor is None:
-            raise ValueError(f"CUDA device {name!r} reports no compute capability (major/minor)")
-        backend, vendor, arch = "cuda", "NVIDIA", f"sm_{major}{minor}"
-        runtime = f"CUDA {cuda}" if cuda else None
+    arch = plat.arch_of(props if isinstance(props, Mapping) else {k: _get(props, k) for k in
+                                                                   ("name", plat.arch_property or "major", "minor")})
+    version = given.get(plat.torch_version)
+    runtime = f"{plat.runtime} {version}" if version else None
     warp = _get(props, "warp_size")
     if warp is None:
         notes.append("this PyTorch does not report warp_size; the wavefront/warp size is unknown "
@@ -150,7 +152,7 @@ def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = No
         notes.append(f"no published peaks for {name!r} ({arch}) in utils/data/{SPECS_FILE.name}: "
                      "ratios against peak are left out; add a row with its data-sheet figures")
     return DeviceInfo(
-        backend=backend, vendor=vendor, name=name, arch=arch,
+        backend=plat.name, vendor=plat.vendor, name=name, arch=arch,
         warp_size=None if warp is None else int(warp),
         compute_units=_get(props, "multi_processor_count"),
         memory_bytes=_get(props, "total_memory"),
@@ -165,7 +167,7 @@ def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = No
 
 
 def cpu_info() -> DeviceInfo:
-    name = platform.processor() or platform.machine()
+    name = host.processor() or host.machine()
     try:
         with open("/proc/cpuinfo") as f:
             name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -175,7 +177,7 @@ def cpu_info() -> DeviceInfo:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         memory = None
-    vendor = "AMD" if "AMD" in name.upper() else "Intel" if "INTEL" in name.upper() else platform.machine()
+    vendor = "AMD" if "AMD" in name.upper() else "Intel" if "INTEL" in name.upper() else host.machine()
     return DeviceInfo(
         backend="cpu", vendor=vendor, name=name, arch="cpu", warp_size=None,
         compute_units=os.cpu_count(), memory_bytes=memory,
@@ -212,8 +214,6 @@ def measure_cpu_ceilings(info: DeviceInfo, *, copy_mib: int | None = None, matmu
 
     import torch
 
-    from .timing import benchmark
-
     if copy_mib is None:
         try:
             llc = os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0
@@ -242,7 +242,7 @@ def detect(device: str = "auto") -> DeviceInfo:
 
     `device` is a notebook's DEVICE parameter: "auto" (the default) uses the COURSE_DEVICE
     environment variable if set, else the GPU PyTorch sees, else the CPU. "cpu" forces the CPU on a
-    GPU machine; "gpu", "cuda" and "rocm" insist on a GPU (of that kind)."""
+    GPU machine; "gpu" insists on a GPU, "cuda" and "rocm" (a backend's name) on one of that kind."""
     wanted = choice("DEVICE", device, DEVICE_CHOICES)
     if wanted == "auto":
         wanted = choice("COURSE_DEVICE (environment)", os.environ.get("COURSE_DEVICE") or "auto",
@@ -251,15 +251,16 @@ def detect(device: str = "auto") -> DeviceInfo:
         return cpu_info()
     import torch
 
-    if not torch.cuda.is_available():
+    plat = backend.this_torch_build()
+    if not plat.available():
         if wanted == "auto":
             return cpu_info()
         raise ParameterError(f"DEVICE={device!r} (resolved to {wanted!r}) but PyTorch sees no GPU "
                              f"(torch {torch.__version__}); use 'auto' or 'cpu', or install a "
                              "CUDA/ROCm build of PyTorch (README: environments)")
-    info = from_properties(torch.cuda.get_device_properties(0),
+    info = from_properties(plat.module().get_device_properties(0),
                            hip=torch.version.hip, cuda=torch.version.cuda)
-    if wanted in ("cuda", "rocm") and info.backend != wanted:
+    if wanted not in ("auto", "gpu") and info.backend != wanted:
         raise ParameterError(f"DEVICE={wanted!r} but this machine's GPU is {info.name} "
                              f"({info.backend}); use 'auto', 'gpu' or {info.backend!r}")
     return info

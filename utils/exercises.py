@@ -23,18 +23,10 @@ import os
 from pathlib import Path
 from typing import Callable
 
-EXERCISE_NOT_DONE = "exercise not done"
-STUB = f'raise NotImplementedError("{EXERCISE_NOT_DONE}: replace this line with your code, then re-run the cell")'
-
-
-def stub(exercise: str, *, triton: bool = False) -> str:
-    """The line that stands for an unfinished exercise: a no-op inside a Triton kernel (which must still
-    compile), a raise elsewhere."""
-    where = f"{EXERCISE_NOT_DONE}: {exercise}, replace this line with your code"
-    if triton:
-        return f"pass  # {where}"
-    return f'raise NotImplementedError("{where}, then re-run the cell")'
-
+from utils import solutions
+from utils.base import state
+from utils.base.paths import build_dir
+from utils.solutions import EXERCISE_NOT_DONE
 
 def _source(fn) -> str:
     for candidate in (getattr(fn, "src", None), getattr(getattr(fn, "fn", None), "__wrapped__", None)):
@@ -153,8 +145,6 @@ class Lab:
     def reference(self):
         """The solution notebook's exported cells, as a module (loaded on first use)."""
         if self._reference is None:
-            from . import solutions
-
             self._reference = solutions.load(self.lab)
         return self._reference
 
@@ -170,16 +160,12 @@ class Lab:
 
 
 def progress_path() -> Path:
-    from .report import build_dir
-
     return build_dir() / "progress.json"
 
 
 def _record(exercise: str, title: str, status: str, *, lab: str) -> None:
     """Remember the latest verdict of an exercise in build/progress.json, per folder the notebook ran in
     (`labs` for the learner's work, `solutions` for the course's)."""
-    from . import state
-
     where = Path.cwd().name
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 

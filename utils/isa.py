@@ -24,7 +24,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .stack import install_hint
+from utils import backend as _backends
+from utils.base.paths import REPO_ROOT
+from utils.stack import install_hint
 
 
 class ToolMissing(RuntimeError):
@@ -258,11 +260,9 @@ def compile_cuda(source: str, arch: str = "sm_90", kind: str = "ptx") -> Compile
     return Compiled(arch, kind, text, " ".join(["nvcc", *cmd[1:-3], "kernel.cu"]))
 
 
-TRITON_TARGETS = {
-    # name -> (backend, arch, warp size) as Triton's GPUTarget wants them
-    "gfx942": ("hip", "gfx942", 64), "gfx90a": ("hip", "gfx90a", 64), "gfx1100": ("hip", "gfx1100", 32),
-    "sm_90": ("cuda", 90, 32), "sm_80": ("cuda", 80, 32),
-}
+# name -> (backend, arch, warp size) as Triton's GPUTarget wants them, from each backend's record
+TRITON_TARGETS = {name: (plat.triton_backend, arch, lanes)
+                  for plat in _backends.GPUS for name, (arch, lanes) in plat.triton_targets.items()}
 
 
 def compile_triton(kernel, signature: dict[str, str], target: str, *, constexprs: dict | None = None,
@@ -359,7 +359,7 @@ def _compile_triton_elsewhere(kernel, signature, target=None, **kwargs):
         "                  for o in out]))",
     ])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     jobs = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in job.items()} for job in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{fn.__name__}_aot.py"
@@ -382,11 +382,12 @@ def _compile_triton_elsewhere(kernel, signature, target=None, **kwargs):
 def run_program(source: str, backend: str) -> str:
     """Build a complete CUDA (`backend="cuda"`, nvcc) or HIP (`"rocm"`, hipcc) program and run it on
     this machine's GPU; returns what it printed. Raises CompileError if it fails to build or run."""
-    if backend not in ("cuda", "rocm"):
-        raise ValueError(f"backend must be 'cuda' or 'rocm', not {backend!r}")
-    compiler = find_tool("nvcc" if backend == "cuda" else "hipcc")
-    env = dict(os.environ, HIP_PLATFORM="amd") if backend == "rocm" else None
-    with _source_file(source, "program.cu" if backend == "cuda" else "program.hip") as (tmp, src):
+    plat = _backends.get(backend)
+    if not plat.is_gpu:
+        raise ValueError(f"backend must be one of {[b.name for b in _backends.GPUS]}, not {backend!r}")
+    compiler = find_tool(plat.compiler)
+    env = dict(os.environ, **plat.compiler_env) if plat.compiler_env else None
+    with _source_file(source, "program" + plat.source_suffix) as (tmp, src):
         exe = tmp / "program"
         _run([compiler, "-O3", str(src), "-o", str(exe)], env=env)
         return _run([str(exe)]).stdout.strip()

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .device import SPECS_FILE
+from utils.device import SPECS_FILE
 
 
 @lru_cache(maxsize=1)

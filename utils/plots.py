@@ -1,5 +1,12 @@
-"""Plots shared by the labs."""
+"""Plots and Markdown tables shared by the labs."""
 from __future__ import annotations
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table: one row of ``header`` cells, then ``rows`` (cells are formatted with str)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def _fmt(v: float) -> str:
@@ -8,7 +15,7 @@ def _fmt(v: float) -> str:
 
 def achieved_vs_peak(items, title: str = ""):
     """One bar pair per item: `items` is a list of (what, achieved, peak or None, unit).
-    Returns the matplotlib figure (the notebook shows it; `report.Recorder.figure` saves it)."""
+    Returns the matplotlib figure (the notebook shows it; `record.Recorder.figure` saves it)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(items), figsize=(4.5 * len(items), 3.2), squeeze=False)
@@ -51,7 +58,7 @@ def lane_map(threads: int = 256, widths=(32, 64)):
 
 
 def serving_load(closed, opened, *, slo_ttft_s=None, slo_tpot_s=None, ceiling=None, title: str = ""):
-    """Lab 05's load tests at a glance, from ``utils.loadgen`` level summaries (closed loop: ``closed``, open
+    """Lab 05's load tests at a glance, from ``utils.llm.loadgen`` level summaries (closed loop: ``closed``, open
     loop: ``opened``): (1) the knee, time per output token against output tokens/s as load grows; (2) TTFT
     and TPOT percentiles against the offered request rate, with the SLO and the goodput; (3) output tokens/s
     against concurrency under ``ceiling(c)``, the bandwidth ceiling in tokens/s (None: not drawn)."""

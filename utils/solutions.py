@@ -7,7 +7,7 @@ A solution marks what the learner writes, inside a function, under a TODO line t
     ...the reference answer...
     ### END SOLUTION
 
-`make_lab()` turns a solution into the learner's lab: each region becomes a stub that keeps the notebook
+`utils.machinery.labs.make_lab()` turns a solution into the learner's lab: each region becomes a stub that keeps the notebook
 runnable. In a plain function the stub raises `NotImplementedError("exercise not done: ...")`; inside a
 `@triton.jit` function it is `pass  # exercise not done: ...`, so the kernel still compiles and the lab's
 wrapper asks `utils.exercises.unfinished(kernel)` instead. Outputs are cleared.
@@ -29,16 +29,26 @@ from pathlib import Path
 
 import nbformat
 
-from . import report, state
-from .exercises import stub
+from utils.base import state
+from utils.base.paths import LABS_DIR, SOLUTIONS_DIR, build_dir
 
-SOLUTIONS = report.REPO_ROOT / "solutions"
-LABS = report.REPO_ROOT / "labs"
+SOLUTIONS, LABS = SOLUTIONS_DIR, LABS_DIR    # solutions/ (the single source) and labs/ (made from it)
 NB_VERSION = 4
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXPORT_TAG = "export"
 _TODO = re.compile(r"#\s*TODO\((?P<id>\d+\.\d+)\b[^)]*\)")
 _DEF = re.compile(r"^(?P<indent>\s*)(async\s+)?def\s+(?P<name>\w+)")
+EXERCISE_NOT_DONE = "exercise not done"
+STUB = f'raise NotImplementedError("{EXERCISE_NOT_DONE}: replace this line with your code, then re-run the cell")'
+
+
+def stub(exercise: str, *, triton: bool = False) -> str:
+    """The line that stands for an unfinished exercise: a no-op inside a Triton kernel (which must still
+    compile), a raise elsewhere."""
+    where = f"{EXERCISE_NOT_DONE}: {exercise}, replace this line with your code"
+    if triton:
+        return f"pass  # {where}"
+    return f'raise NotImplementedError("{where}, then re-run the cell")'
 
 
 class RegionError(ValueError):
@@ -132,7 +142,7 @@ def exercises(nb, name: str = "notebook") -> dict[str, str]:
     return out
 
 
-def _fill(nb, name: str, answers: dict | None, stubs: bool):
+def fill_regions(nb, name: str, answers: dict | None, stubs: bool):
     """A copy of `nb` whose regions hold `answers[id]` (a string, or a list for an exercise of several
     regions), else the stub (stubs=True), else the solution, with the markers removed."""
     nb = nbformat.from_dict(nb)
@@ -162,96 +172,12 @@ def _fill(nb, name: str, answers: dict | None, stubs: bool):
     return nb
 
 
-# --- notebook metadata ---------------------------------------------------------------------------
-
-# Every course notebook's notebook-level metadata: the kernel, and the language as ipykernel reports it
-# (all its fields), so that JupyterLab has nothing to add when a kernel starts and opening a notebook does
-# not mark it changed. The Python version is the course's CI interpreter; the course's Jupyter settings
-# (jupyter/jupyter_server_config.py) hand it to the browser as the learner's own Python.
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
-                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
-                 "pygments_lexer": "ipython3", "version": "3.11.7"}
-
-
-def set_course_metadata(nb):
-    """Give `nb` (a NotebookNode) the course's kernelspec and language_info; other metadata is kept."""
-    nb.metadata["kernelspec"] = nbformat.from_dict(KERNELSPEC)
-    nb.metadata["language_info"] = nbformat.from_dict(LANGUAGE_INFO)
-    return nb
-
-
-def write_solution_metadata(paths: list[Path] | None = None) -> list[Path]:
-    """Give the solution notebooks the course's notebook-level metadata (kernelspec, language_info),
-    changing nothing else; returns the notebooks rewritten. For the lead: run once after a merge
-    (`python -c "from utils import solutions; print(solutions.write_solution_metadata())"`), then
-    `make labs`."""
-    changed = []
-    for path in paths or solution_notebooks():
-        text = Path(path).read_text()
-        new = nbformat.writes(set_course_metadata(nbformat.reads(text, as_version=NB_VERSION))) + "\n"
-        if new != text:
-            state.write_text_atomic(Path(path), new)
-            changed.append(Path(path))
-    return changed
-
-
-# --- the learner's lab ---------------------------------------------------------------------------
-
-def make_lab(solution: Path):
-    """The lab notebook for one solution notebook (a NotebookNode, not written), with the course's
-    notebook metadata."""
-    nb = set_course_metadata(_fill(read(solution), solution.name, None, stubs=True))
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-        cell.metadata.pop("execution", None)
-        cell.metadata.pop("papermill", None)
-    nb.metadata.pop("papermill", None)
-    return nb
-
-
-def lab_text(solution: Path) -> str:
-    return nbformat.writes(make_lab(solution)) + "\n"
-
-
-def write_labs(check: bool = False) -> list[str]:
-    """Write labs/ (or, with check=True, list what is out of date without writing)."""
-    stale = []
-    expected = {s.name: lab_text(s) for s in solution_notebooks()}
-    for name, text in expected.items():
-        target = LABS / name
-        if not target.exists() or target.read_text() != text:
-            stale.append(f"labs/{name} differs from what solutions/{name} generates")
-            if not check:
-                state.write_text_atomic(target, text)
-    for extra in sorted(LABS.glob("*.ipynb")):
-        if extra.name not in expected:
-            stale.append(f"labs/{extra.name} has no solutions/{extra.name}")
-            if not check:
-                extra.unlink()
-    return stale
-
-
-def lab_with_answers(lab: str, answers: dict) -> "nbformat.NotebookNode":
-    """The generated lab of `lab` with `answers` in some regions and stubs in the others: what a learner
-    who wrote exactly these answers has (for the grader tests)."""
-    path = notebook_path(lab)
-    nb = _fill(read(path), path.name, answers, stubs=True)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    return nb
-
-
 # --- exported modules ----------------------------------------------------------------------------
 
 def export_source(lab: str, answers: dict | None = None, stubs: bool = False) -> str:
-    """The Python source of `lab`'s cells tagged `export`, regions filled as `_fill` does."""
+    """The Python source of `lab`'s cells tagged `export`, regions filled as `fill_regions` does."""
     path = notebook_path(lab)
-    nb = _fill(read(path), path.name, answers, stubs)
+    nb = fill_regions(read(path), path.name, answers, stubs)
     cells = [c for c in nb.cells if c.cell_type == "code" and EXPORT_TAG in c.metadata.get("tags", [])]
     if not cells:
         raise ValueError(f"{path.name} has no cell tagged {EXPORT_TAG!r}")
@@ -266,7 +192,7 @@ def _without_magics(source: str) -> str:
 
 
 def export_dir() -> Path:
-    return report.build_dir() / "export"
+    return build_dir() / "export"
 
 
 def load(lab: str, answers: dict | None = None, stubs: bool = False):
@@ -291,12 +217,3 @@ def load(lab: str, answers: dict | None = None, stubs: bool = False):
         del sys.modules[name]
         raise
     return module
-
-
-def write_exports() -> list[Path]:
-    """build/export/<lab>.py for every lab with exported cells (for learners and instructors to import)."""
-    written = []
-    for path in solution_notebooks():
-        if any(EXPORT_TAG in c.metadata.get("tags", []) for c in read(path).cells):
-            written.append(state.write_text_atomic(export_dir() / f"{path.stem}.py", export_source(path.stem)))
-    return written

@@ -10,6 +10,8 @@ import platform
 import shutil
 from importlib import metadata
 
+from utils import backend
+
 # name -> (what the course uses it for, how to install it). Commands, not prose, where possible.
 INSTALL_HINTS = {
     "torch": ("every lab", "make run (or: pip install -c constraints.txt torch; GPU builds: README, environments)"),
@@ -33,10 +35,7 @@ def software_stack() -> dict[str, str]:
         import torch
 
         stack["torch"] = torch.__version__
-        if torch.version.hip:
-            stack["hip"] = str(torch.version.hip)
-        if torch.version.cuda:
-            stack["cuda"] = str(torch.version.cuda)
+        stack.update(backend.versions())      # {"hip": ...} or {"cuda": ...}
     except ImportError:
         pass
     for dist in _DISTRIBUTIONS:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from utils import backend
+
 # Bytes overwritten before each rep to flush caches: larger than an H100's 50 MB L2 and an
 # MI300X's 256 MB Infinity Cache (PyTorch reports only the 4 MB L2 there, so it is not derived).
 GPU_FLUSH_BYTES = 512 * 2**20
@@ -68,11 +70,13 @@ class Timing:
                 f"over {len(self.samples_ms)} reps ({self.clock})")
 
 
-def _on_gpu(device) -> bool:
+def _platform(device) -> backend.Backend:
+    """The backend that times `device` (a DeviceInfo, a torch device or its string); by default the GPU
+    PyTorch sees, else the CPU."""
     if device is not None:
-        return getattr(device, "is_gpu", False) or str(device).startswith("cuda")
-    import torch
-    return torch.cuda.is_available()
+        return backend.of(device)
+    plat = backend.this_torch_build()
+    return plat if plat.available() else backend.CPU
 
 
 def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
@@ -90,10 +94,11 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
                          f"got warmup={warmup}, reps={reps}, batch={batch}")
     import torch
 
-    gpu = _on_gpu(device)
+    plat = _platform(device)
+    gpu = plat.is_gpu
     single = fn
     if gpu and graph:
-        fn = _capture_graph(single, batch)
+        fn = _capture_graph(single, batch, plat)
     elif batch > 1:
         def fn():
             for _ in range(batch):
@@ -101,20 +106,20 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     flush = None
     if flush_l2:
         flush = torch.empty(GPU_FLUSH_BYTES if gpu else CPU_FLUSH_BYTES, dtype=torch.int8,
-                            device="cuda" if gpu else "cpu")
-    _warm_up(fn, warmup, warmup_ms, gpu)
+                            device=plat.torch_device)
+    _warm_up(fn, warmup, warmup_ms, plat)
     samples: list[float] = []
     if gpu:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        torch.cuda.synchronize()
+        starts = [plat.event() for _ in range(reps)]
+        ends = [plat.event() for _ in range(reps)]
+        plat.synchronize()
         for start, end in zip(starts, ends):
             if flush is not None:
                 flush.zero_()
             start.record()
             fn()
             end.record()
-        torch.cuda.synchronize()
+        plat.synchronize()
         samples = [s.elapsed_time(e) / batch for s, e in zip(starts, ends)]
         return Timing(tuple(samples), "device events" + (f", graph of {batch} calls" if graph else ""))
     for _ in range(reps):
@@ -126,35 +131,31 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     return Timing(tuple(samples), "perf_counter")
 
 
-def _capture_graph(fn, calls: int):
+def _capture_graph(fn, calls: int, plat: backend.Backend):
     """A CUDA/HIP graph of `calls` calls of `fn`; returns its replay function."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):      # warm-up off the default stream, as graph capture requires
+    mod = plat.module()
+    side = mod.Stream()
+    side.wait_stream(mod.current_stream())
+    with mod.stream(side):      # warm-up off the default stream, as graph capture requires
         for _ in range(3):
             fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    mod.current_stream().wait_stream(side)
+    g = mod.CUDAGraph()
+    with mod.graph(g):
         for _ in range(calls):
             fn()
     return g.replay
 
 
-def _warm_up(fn, calls: int, min_ms: float, gpu: bool) -> None:
-    import torch
-
+def _warm_up(fn, calls: int, min_ms: float, plat: backend.Backend) -> None:
     t0 = time.perf_counter()
     done = 0
     while done < calls or (time.perf_counter() - t0) * 1e3 < min_ms:
         fn()
         done += 1
-        if gpu and done % 8 == 0:
-            torch.cuda.synchronize()   # wall time must track device time, not the launch queue
-    if gpu:
-        torch.cuda.synchronize()
+        if done % 8 == 0:
+            plat.synchronize()   # wall time must track device time, not the launch queue
+    plat.synchronize()
 
 
 def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3, rep_ms: float = 200.0,
@@ -162,11 +163,9 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3, rep_ms
     """Median time in ms of each function in `fns`, measured in alternating rounds after a common
     warm-up, so that clock changes under load (a GPU slows down as it heats) hit all of them alike.
     A value may also be the string "do_bench:" + key, which times `fns[key]` with Triton's do_bench."""
-    import torch
-
-    gpu = torch.cuda.is_available()
+    plat = _platform(None)
     first = next(f for f in fns.values() if callable(f))
-    _warm_up(first, 1, warmup_ms, gpu=gpu)
+    _warm_up(first, 1, warmup_ms, plat)
     reps = {}
     for name, fn in fns.items():
         if callable(fn):

@@ -39,6 +39,9 @@ MODE = os.environ.get("COURSE_HUB_MODE", "room")
 STATE = Path(os.environ.get("COURSE_HUB_STATE") or os.getcwd()).resolve()
 WORK = "rocm-cuda-labs"          # each learner's folder, in their home
 BIN = Path(sys.executable).parent  # the course's environment (jupyterhub-singleuser, the kernel)
+sys.path.insert(0, str(CHECKOUT))
+from utils.base.paths import run_environment  # noqa: E402 (the course's run environment: course.env)
+
 if MODE not in ("room", "test"):
     raise ValueError(f"COURSE_HUB_MODE={MODE!r}: use 'room' or 'test'")
 
@@ -74,16 +77,9 @@ def environment(spawner) -> dict:
     under the learner's own build folder."""
     build = work(spawner) / "build"
     env = {
+        **run_environment(build, keep_existing=False),   # course.env under the learner's build folder
         "PYTHONPATH": str(CHECKOUT),
-        "PYTHONDONTWRITEBYTECODE": "1",
         "JUPYTER_CONFIG_PATH": str(CHECKOUT / "jupyter"),
-        "COURSE_BUILD_DIR": str(build),
-        "HF_HOME": str(build / "cache" / "huggingface"),
-        "MPLCONFIGDIR": str(build / "cache" / "matplotlib"),
-        "TRITON_CACHE_DIR": str(build / "cache" / "triton"),
-        "IPYTHONDIR": str(build / "cache" / "ipython"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "OMP_NUM_THREADS": os.environ.get("COURSE_HUB_THREADS") or str(max(1, (os.cpu_count() or 4) // 4)),
     }
     for name in ("COURSE_DEVICE", "COURSE_VLLM_PYTHON", "COURSE_REQUIRE_TOOLS"):

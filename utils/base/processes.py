@@ -1,7 +1,7 @@
 """Processes the course starts (lab 05's server, lab 06's ranks): owned, recorded, never left behind.
 
 `Owned(cmd, ...)` runs a command in a process group of its own, under a small guard process
-(`python -m utils.processes guard ...`, the group's leader). The guard ends the whole group when
+(`python -m utils.base.processes guard ...`, the group's leader). The guard ends the whole group when
 
 - its owner (the Python process that started it: a notebook's kernel) goes away for any reason: it
   reads a pipe from the owner and reaches end-of-file when the owner exits, is killed (SIGKILL, out of
@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import state
+from utils.base import state
+from utils.base.paths import REPO_ROOT, build_dir
 
 NONCE_VAR = "COURSE_PROCESS_NONCE"
 PR_SET_PDEATHSIG = 1
@@ -90,8 +91,6 @@ def end_group(pgid: int, timeout: float = 20.0) -> None:
 
 
 def records_dir() -> Path:
-    from .report import build_dir
-
     return build_dir() / "processes"
 
 
@@ -119,9 +118,9 @@ class Owned:
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(self.cmd) + "\n")
         log = open(self.log_path, "a")
-        guard = [sys.executable, "-m", "utils.processes", "guard", "--timeout", str(self.stop_timeout), "--", *self.cmd]
+        guard = [sys.executable, "-m", "utils.base.processes", "guard", "--timeout", str(self.stop_timeout), "--", *self.cmd]
         env = dict(self.env)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(REPO_ROOT)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         try:
             self.proc = subprocess.Popen(guard, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -260,7 +259,7 @@ def _guard(cmd: list[str], timeout: float) -> int:
     def end(reason: str) -> None:
         if not ending.acquire(blocking=False):
             return                          # already ending (the group's SIGTERM reaches us too)
-        print(f"[utils.processes guard] {reason}: ending process group {os.getpgrp()}", flush=True)
+        print(f"[utils.base.processes guard] {reason}: ending process group {os.getpgrp()}", flush=True)
         _end_others(timeout)
         ended.set()
 
@@ -322,7 +321,7 @@ def _others_in_group() -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 4 or argv[0] != "guard" or "--" not in argv:
-        print("usage: python -m utils.processes guard --timeout SECONDS -- COMMAND...", file=sys.stderr)
+        print("usage: python -m utils.base.processes guard --timeout SECONDS -- COMMAND...", file=sys.stderr)
         return 2
     split = argv.index("--")
     timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv[:split] else 20.0

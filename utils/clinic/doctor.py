@@ -1,4 +1,4 @@
-"""The environment doctor: what the GPU software stack is and whether its pieces fit (`python -m utils.doctor`).
+"""The environment doctor: what the GPU software stack is and whether its pieces fit (`python -m utils.clinic.doctor`).
 
 `gather()` collects the facts of this machine (driver, PyTorch build, the GPU's architecture as the driver and as
 PyTorch see it, the architectures PyTorch ships kernels for, Triton's target, the environment variables that change
@@ -18,7 +18,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MACHINES_FILE = Path(__file__).with_name("data") / "doctor_machines.json"
+from utils import backend
+from utils.base.paths import DATA_DIR
+
+MACHINES_FILE = DATA_DIR / "doctor_machines.json"
 
 SUPPORTED, COMPATIBLE, UNSUPPORTED, CPU_ONLY = "supported", "compatible", "not supported", "cpu only"
 
@@ -39,7 +42,7 @@ AMD_FAMILIES = {
     "gfx12-generic": ("gfx1200", "gfx1201"),
 }
 
-TORCH_INDEX = "https://download.pytorch.org/whl"
+TORCH_INDEX = backend.TORCH_INDEX
 _ENV_VARS = ("HSA_OVERRIDE_GFX_VERSION", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
@@ -159,15 +162,12 @@ def runnable_target(arch: str, arch_list) -> str | None:
 # --- the verdict ---------------------------------------------------------------------------------
 
 def _vendor(arch: str | None) -> str | None:
-    if not arch:
-        return None
-    return "AMD" if arch.startswith("gfx") else "NVIDIA" if arch.startswith("sm_") else None
+    plat = backend.for_arch(arch)
+    return plat.vendor if plat else None
 
 
 def _install_torch(kind: str) -> str:
-    if kind == "cuda":
-        return f"a CUDA build of PyTorch: pip install torch --index-url {TORCH_INDEX}/cu130 (driver >= 580; cu126 for drivers >= 525)"
-    return f"a ROCm build of PyTorch: pip install torch --index-url {TORCH_INDEX}/rocm7.2 (README: environment-rocm.yml)"
+    return backend.get(kind).install_torch
 
 
 def verdict(facts: Facts) -> Verdict:
@@ -179,7 +179,7 @@ def verdict(facts: Facts) -> Verdict:
                                                            or "RADEON" in facts.hw_gpu.upper() else "NVIDIA"))
     if not facts.torch_cuda and not facts.torch_hip:
         if facts.hw_gpu:
-            kind = "rocm" if hw_vendor == "AMD" else "cuda"
+            kind = (backend.for_vendor(hw_vendor) or backend.CUDA).name
             return Verdict(UNSUPPORTED, facts.hw_arch, None,
                            (f"the driver reports {facts.hw_gpu}, but PyTorch {facts.torch} is a CPU build: "
                             "it cannot use any GPU",), (_install_torch(kind),))
@@ -375,8 +375,7 @@ def gather() -> Facts:
             props = torch.cuda.get_device_properties(0)
             f["arch_list"] = tuple(torch.cuda.get_arch_list())
             f["torch_gpu"] = props.name
-            gcn = getattr(props, "gcnArchName", "") or ""
-            f["torch_arch"] = gcn.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
+            f["torch_arch"] = backend.this_torch_build().arch_of(props)
             f["warp_size"] = getattr(props, "warp_size", None)
         elif torch.version.cuda or torch.version.hip:
             f["arch_list"] = tuple(torch.cuda.get_arch_list())
@@ -471,7 +470,7 @@ def summary(facts: Facts | None = None) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m utils.doctor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.clinic.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--machine", help=f"a described machine instead of this one ({', '.join(machines())})")
     parser.add_argument("--json", action="store_true", help="print the facts as JSON (to describe a machine)")
     args = parser.parse_args(argv)

@@ -13,9 +13,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
-EXAMPLES_DIR = Path(__file__).with_name("data") / "topology"
+from utils import backend
+from utils.base.paths import DATA_DIR
+from utils.device import spec as spec_row
+
+EXAMPLES_DIR = DATA_DIR / "topology"
 EXAMPLES = {
     # name: (file, GPU spec key, where it comes from)
     "2x H200 (nvidia-smi)": ("nvidia-smi-2xh200.txt", "h200",
@@ -230,7 +233,7 @@ def parse_amd_smi(text: str) -> Topology:
 
 
 def parse(text: str) -> Topology:
-    """Any of the three outputs, recognised by its content."""
+    """The output of any tool in COMMANDS (each backend's record names them), recognised by its content."""
     clean = _ANSI.sub("", text)
     if "LINK TYPE TABLE:" in clean:
         return parse_amd_smi(text)
@@ -238,10 +241,10 @@ def parse(text: str) -> Topology:
         return parse_rocm_smi(text)
     if re.search(r"(^|\t)GPU0(\t|$)", clean, flags=re.M):
         return parse_nvidia_smi(text)
-    raise TopologyError("not the output of nvidia-smi topo -m, rocm-smi --showtopo or amd-smi topology")
+    raise TopologyError("not the output of " + " or ".join(" ".join(cmd) for cmd in COMMANDS))
 
 
-COMMANDS = (["nvidia-smi", "topo", "-m"], ["amd-smi", "topology"], ["rocm-smi", "--showtopo"])
+COMMANDS = tuple(list(cmd) for plat in backend.GPUS for cmd in plat.topology_commands)   # each backend's tools
 
 
 def read(timeout: float = 20.0) -> tuple[Topology | None, str]:
@@ -261,7 +264,7 @@ def read(timeout: float = 20.0) -> tuple[Topology | None, str]:
         except TopologyError as exc:
             tried.append(f"{' '.join(cmd)}: {exc}")
     if not tried:
-        return None, "none of nvidia-smi, amd-smi, rocm-smi is installed"
+        return None, f"none of {', '.join(cmd[0] for cmd in COMMANDS)} is installed"
     return None, "; ".join(tried)
 
 
@@ -274,11 +277,9 @@ def example(name: str) -> Topology:
 
 def link_spec(key: str | None) -> dict | None:
     """The GPU-to-GPU link fields of a spec-table row (None when the table has none for it)."""
-    from . import device
-
     if not key:
         return None
-    row = device.spec(key)
+    row = spec_row(key)
     if "link_count" not in row:
         return None
     return {k: row[k] for k in ("name", "interconnect", "link_count", "link_gbps", "link_fabric", "pcie_gbps")}

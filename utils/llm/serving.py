@@ -3,11 +3,11 @@
 ``find_engine()`` picks the engine: vLLM when this Python has it (or ``COURSE_VLLM_PYTHON`` names a
 Python that has it, e.g. one in its own environment), otherwise
 ``transformers serve --continuous-batching``. ``Server`` is a context manager that starts it on a free
-port of 127.0.0.1 under ``utils.processes`` (its process group ends with the block, the interpreter or
+port of 127.0.0.1 under ``utils.base.processes`` (its process group ends with the block, the interpreter or
 the notebook's kernel), checks that it is this run's server and that it really generates, writes its
 log to a file, refuses requests longer than the engine can hold, and turns a dead or wedged engine into
 a ``ServerError`` that quotes its log. ``chat()`` sends one streamed request; the load tests and the
-serving metrics are in ``utils.loadgen``.
+serving metrics are in ``utils.llm.loadgen``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 import urllib.error
@@ -25,7 +24,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import processes
+from utils.base import processes
+from utils.base.paths import free_port, port_open
+from utils.llm import loadgen
 
 ENGINES = ("vllm", "transformers")
 # The engines' per-request limits, as the commands below set them up (see Engine.context_limit).
@@ -135,18 +136,6 @@ def find_engine(prefer: str = "auto") -> Engine | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
-
-
 group_alive = processes.group_alive
 
 
@@ -162,7 +151,7 @@ class RequestRejected(ValueError):
 class Server:
     """``with Server(engine, model_dir, log_path=...) as server:`` ... ``server.base_url``.
 
-    The engine runs under ``utils.processes.Owned``: in a process group of its own that ends when the
+    The engine runs under ``utils.base.processes.Owned``: in a process group of its own that ends when the
     block ends, when the interpreter exits, and when the owner (the notebook's kernel) dies. It is
     healthy when ``/health`` answers, the process listening on the port carries this server's nonce
     (a stale server of another run is never measured), and a real one-token generation succeeds.
@@ -323,6 +312,20 @@ class Server:
                 f"({self.engine.limit_reason(self.device)}); shorten the prompt or lower max_tokens")
         return n
 
+    def run_client(self, coro):
+        """Run a client coroutine against this server (from plain code or a notebook); if it fails, say
+        whether the server died or is wedged (ServerError with its log) rather than a bare connection error."""
+        try:
+            return _run(coro)
+        except Exception as exc:
+            if isinstance(exc, (RequestRejected, ServerError)):
+                raise
+            try:
+                self.probe(timeout=30)
+            except ServerError as diagnosis:
+                raise diagnosis from exc
+            raise
+
 
 # ---- one request ---------------------------------------------------------------------------------
 
@@ -341,28 +344,11 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def _diagnosed(server: Server, coro):
-    """Run a client coroutine; if it fails, say whether the server died or is wedged (ServerError with
-    its log) rather than surfacing a bare connection error."""
-    try:
-        return _run(coro)
-    except Exception as exc:
-        if isinstance(exc, (RequestRejected, ServerError)):
-            raise
-        try:
-            server.probe(timeout=30)
-        except ServerError as diagnosis:
-            raise diagnosis from exc
-        raise
-
-
 def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
     """One streamed chat completion (refused with RequestRejected if the server cannot hold it). The load
-    tests are in ``utils.loadgen``."""
-    from . import loadgen
-
+    tests are in ``utils.llm.loadgen``."""
     server.validate(prompt, max_tokens)
-    s = _diagnosed(server, loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens))
+    s = server.run_client(loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens))
     n = s.output_tokens or sum(k for _, k in loadgen.count_chunk_tokens(s.chunks, server.tokenizer()))
     m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.last_token, n)
     return RequestResult(ttft_s=m["ttft"], latency_s=m["e2e"], output_tokens=n, itl_s=m["itl"], text=s.text)

@@ -3,11 +3,11 @@
 A learner without a GPU opens `docs/executed/<lab>.ipynb` to see real GPU outputs and plots. Each copy
 records in its notebook metadata (`course_executed`) the commit, software, device and date it came from
 and a hash of its solution's source cells; `stale()` compares that hash with today's solution, so the
-report (and `python -m utils.executed check`) says when a copy is older than its solution. Huge outputs
+report (and `python -m utils.machinery.executed check`) says when a copy is older than its solution. Huge outputs
 are left out of a copy (with a line saying so) to keep the repository small.
 
-    python -m utils.executed copy build/executed/*.ipynb     # after `make run` on a GPU
-    python -m utils.executed check                            # which copies are missing or stale
+    python -m utils.machinery.executed copy build/executed/*.ipynb     # after `make run` on a GPU
+    python -m utils.machinery.executed check                            # which copies are missing or stale
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import nbformat
 
-from . import state
-from .report import REPO_ROOT
+from utils.base import state
+from utils.base.paths import REPO_ROOT, SOLUTIONS_DIR as SOLUTIONS
+from utils.stack import software_stack
 
 COPIES = REPO_ROOT / "docs" / "executed"
-SOLUTIONS = REPO_ROOT / "solutions"
 KEY = "course_executed"
 MAX_TEXT_BYTES = 64 * 1024        # one output's text
 MAX_IMAGE_BYTES = 512 * 1024      # one image (base64)
@@ -83,8 +83,6 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = [_strip(o, limits) for o in cell.outputs]
-    from .stack import software_stack
-
     results = state.read_json(Path(executed).parent.parent / "results" / f"{executed.stem}.json", {},
                               what="results sidecar") or {}
     nb.metadata[KEY] = {
@@ -140,7 +138,7 @@ def describe(out_dir: Path = COPIES, solutions_dir: Path = SOLUTIONS) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m utils.executed", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m utils.machinery.executed", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("copy", help="stamp executed notebooks and write them to docs/executed/")
     cp.add_argument("notebooks", nargs="+", type=Path)

@@ -1,35 +1,25 @@
-"""Each lab's headline figures, recorded as a JSON sidecar, and the course report built from them.
+"""The course report: every lab's recorded figures (`utils.record`) and the run's status, beside the
+GPU reference's figures of the same size, as build/report.md and build/report.html.
 
-In a notebook:
-
-    rec = report.start("00_environment", device)       # clears this lab's earlier records
-    rec.metric("environment.add_gbps", 2950.0, "GB/s", peak=device.peak_bandwidth_gbps, size={"n": 1 << 28})
-    rec.figure(fig, "achieved_vs_peak")
-
-`make run` then calls `build_report()`, which reads every sidecar under `build/results/` and the
-harness's `status.json` and writes `build/report.md` and `build/report.html`: each lab's figures, which
-device and run they come from, and the H100 reference's figure of the same size beside them
-(`utils/reference/h100.json`; a reference figure at another size, or with no size recorded, is listed
-apart, never in the same row), and the published peaks.
-`python -m utils.report reference OUT.json` turns the sidecars of a real run into such a reference.
+`make run` calls `build_report()`, which reads every sidecar under `build/results/` and the harness's
+`status.json`: each lab's figures, which device and run they come from, and the H100 reference's figure
+of the same size beside them (`utils/reference/h100.json`; a reference figure at another size, or with no
+size recorded, is listed apart, never in the same row), and the published peaks.
+`python -m utils.machinery.report reference OUT.json` turns the sidecars of a real run into such a reference.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import os
-import re
-import shutil
-from dataclasses import asdict
 from pathlib import Path
 
-from . import state
-from .stack import software_stack
+import markdown
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
-REFERENCE_DIR = PACKAGE_DIR / "reference"
+from utils.base import state
+from utils.base.paths import build_dir
+from utils.device import spec
+from utils.machinery.executed import describe
+from utils.record import load_reference, load_results
+
 # GPUs whose published peaks every report shows next to the learner's own device.
 PUBLISHED = ("mi300x", "h100_sxm")
 # Published measurements quoted beside the peaks (key -> (value, unit, source)).
@@ -38,119 +28,6 @@ PUBLISHED_MEASURED = {
 }
 # What a reference record keeps of a metric besides value and unit (for like-with-like comparisons).
 REFERENCE_KEYS = ("size", "label", "peak", "fraction_of_peak")
-_KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
-
-
-def build_dir() -> Path:
-    """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
-    course checkout (an editable install) if this user may write there, else ./build in the working
-    directory; a checkout shared read-only by several learners falls back to ~/.cache/rocm-cuda-labs/build
-    (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
-    env = os.environ.get("COURSE_BUILD_DIR")
-    if env:
-        return Path(env).resolve()
-    if (REPO_ROOT / "pyproject.toml").exists():
-        if _may_write(REPO_ROOT / "build"):
-            return REPO_ROOT / "build"
-        return Path.home() / ".cache" / "rocm-cuda-labs" / "build"
-    return Path.cwd() / "build"
-
-
-def _may_write(folder: Path) -> bool:
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return os.access(folder, os.W_OK)
-
-
-def results_dir() -> Path:
-    return build_dir() / "results"
-
-
-class Recorder:
-    """Writes one lab's sidecar, `results/<lab>.json`, after every change (a crash keeps what was
-    recorded so far) and its figures as `results/<lab>/<name>.png`."""
-
-    def __init__(self, lab: str, device, root: Path | None = None):
-        self.lab = lab
-        self.root = Path(root) if root else results_dir()
-        self.path = self.root / f"{lab}.json"
-        self.figure_dir = self.root / lab
-        self.data = {
-            "lab": lab,
-            "device": asdict(device) if device is not None else None,
-            "software": software_stack(),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "run_id": os.environ.get("COURSE_RUN_ID"),   # set by `make run`; None in a notebook of one's own
-            "metrics": {},
-            "figures": [],
-        }
-        self.path.unlink(missing_ok=True)
-        shutil.rmtree(self.figure_dir, ignore_errors=True)
-        self._save()
-
-    def metric(self, key: str, value: float, unit: str, *, peak: float | None = None,
-               label: str | None = None, size: str | dict | None = None) -> dict:
-        """Record a headline figure; `peak` (same unit) makes the report show value / peak. `size` says
-        what was measured ("N=4096, D=128" or {"N": 4096, "D": 128}): the report sets a reference figure
-        beside this one only when both were measured at the same size."""
-        if not _KEY.match(key):
-            raise ValueError(f"metric key {key!r} must look like 'lab_topic.figure' (lower case, dots)")
-        entry = {"value": float(value), "unit": unit}
-        if size is not None:
-            entry["size"] = size_text(size)
-        if peak:
-            entry["peak"] = float(peak)
-            entry["fraction_of_peak"] = float(value) / float(peak)
-        if label:
-            entry["label"] = label
-        self.data["metrics"][key] = entry
-        self._save()
-        return entry
-
-    def figure(self, fig, name: str) -> Path:
-        """Save a matplotlib figure for the report (the notebook still shows it inline)."""
-        self.figure_dir.mkdir(parents=True, exist_ok=True)
-        path = self.figure_dir / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        rel = path.relative_to(self.root).as_posix()
-        if rel not in self.data["figures"]:
-            self.data["figures"].append(rel)
-        self._save()
-        return path
-
-    def _save(self):
-        state.write_json(self.path, self.data)
-
-
-def size_text(size: str | dict) -> str:
-    """The canonical text of a metric's size: {"N": 4096, "D": 128} -> "N=4096, D=128"."""
-    if isinstance(size, dict):
-        return ", ".join(f"{k}={v}" for k, v in size.items())
-    if not isinstance(size, str) or not size.strip():
-        raise ValueError(f"size={size!r} must be a non-empty string or a dict such as {{'N': 4096}}")
-    return size.strip()
-
-
-def start(lab: str, device, root: Path | None = None) -> Recorder:
-    return Recorder(lab, device, root)
-
-
-def load_results(root: Path | None = None) -> dict[str, dict]:
-    """Every lab's sidecar; a corrupt one is named in a warning and left out."""
-    root = Path(root) if root else results_dir()
-    found = {}
-    for p in sorted(root.glob("*.json")):
-        data = state.read_json(p, None, what="results sidecar")
-        if isinstance(data, dict):
-            found[p.stem] = data
-    return found
-
-
-def load_reference(name: str = "h100") -> dict | None:
-    """A committed reference record; a corrupt one raises CorruptStateError naming the file."""
-    return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise")
-
-
 def load_status(build: Path | None = None) -> dict:
     """The harness's status.json ({"run": ..., "labs": ...}); missing, corrupt (with a warning) or of an
     old format -> no labs."""
@@ -229,13 +106,6 @@ def merge_reference(old: dict, new: dict) -> dict:
             "runs": runs, "metrics": dict(sorted(metrics.items()))}
 
 
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table: one row of ``header`` cells, then ``rows`` (cells are formatted with str)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _fmt(v: float | None, digits: int = 4) -> str:
     if v is None:
         return "–"
@@ -281,8 +151,6 @@ def _provenance(r: dict, reference: dict | None, lab: str) -> str:
 
 
 def render_markdown(results: dict[str, dict], status: dict, reference: dict | None) -> str:
-    from .device import spec
-
     run = status.get("run")
     status = status.get("labs", {})
     labs = sorted(set(results) | set(status))
@@ -372,13 +240,9 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
 
 def build_report(root: Path | None = None) -> Path:
     """Write `report.md` and `report.html` into the build folder; return the Markdown path."""
-    import markdown
-
     build = Path(root) if root else build_dir()
     results = load_results(build / "results")
     text = render_markdown(results, load_status(build), load_reference())
-    from .executed import describe
-
     text += ("\n## Executed GPU copies (`docs/executed/`)\n\nEach solution as the course's GPU reference run "
              "executed it, outputs and plots kept; a copy older than its solution is marked.\n\n"
              + "\n".join(describe()) + "\n")
@@ -393,7 +257,7 @@ def build_report(root: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m utils.report", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m utils.machinery.report", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("build", help="write build/report.md and build/report.html")
     ref = sub.add_parser("reference", help="write a reference JSON from build/results")

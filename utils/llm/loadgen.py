@@ -30,10 +30,11 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+from utils.base.paths import DATA_DIR
+
+PROMPTS_FILE = DATA_DIR / "prompts.jsonl"
 MODES = ("concurrency", "rate")
 STATS = ("mean", "p50", "p90", "p99")
 
@@ -339,15 +340,13 @@ def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request]
           duration_s: float, warmup_s: float, seed: int = 0, burstiness: float = 1.0,
           max_concurrency: int | None = None, drain_s: float | None = None, pin_length: bool = True,
           metrics: Callable = request_metrics, on_level=None, progress: bool = True) -> list[Level]:
-    """Load ``server`` (a ``utils.serving.Server``) at each of ``loads``: concurrencies (mode
+    """Load ``server`` (a ``utils.llm.serving.Server``) at each of ``loads``: concurrencies (mode
     "concurrency") or request rates in requests/s (mode "rate"), each for ``warmup_s`` + ``duration_s``.
     Every request is checked against the engine's limits first and streams ``max_tokens`` tokens
     (``pin_length``: the engine may not stop earlier, see ``Engine.pinned_length``). After a level with
     failures the server is probed: a dead or wedged engine raises ``ServerError``; otherwise the failures
     stay counted in the level. ``on_level(level)`` is called after each level."""
     from tqdm.auto import tqdm
-
-    from . import serving
 
     checked = {r.prompt: server.validate(r.prompt, max_tokens) for r in requests}
     requests = [Request(r.prompt, checked[r.prompt]) for r in requests]
@@ -359,7 +358,7 @@ def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request]
         coro = _client_level(server.base_url, server.served_name, max_tokens, extra, mode, load, requests,
                              duration_s=duration_s, warmup_s=warmup_s, seed=seed + i, burstiness=burstiness,
                              max_concurrency=max_concurrency, drain_s=drain)
-        streams, window = serving._diagnosed(server, coro)
+        streams, window = server.run_client(coro)
         level = Level(mode, load, window, streams, tokenizer=tokenizer, metrics=metrics)
         if level.failed:
             server.probe(timeout=30)   # a dead or wedged engine: ServerError with its log

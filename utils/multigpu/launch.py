@@ -1,6 +1,6 @@
-"""Lab 06's ranks: torchrun under `utils.processes.Owned`, on 127.0.0.1, NVLink multicast off, errors shown.
+"""Lab 06's ranks: torchrun under `utils.base.processes.Owned`, on 127.0.0.1, NVLink multicast off, errors shown.
 
-    run = launch.torchrun("utils.collectives", ["--sizes", "1024"], nproc=2, timeout=120, name="collectives")
+    run = launch.torchrun("utils.multigpu.collectives", ["--sizes", "1024"], nproc=2, timeout=120, name="collectives")
     run.result()          # what rank 0 wrote to run.out_dir/result.json
 
 `torchrun()` starts `python -m torch.distributed.run` (one agent per "node"; two agents on this machine
@@ -22,21 +22,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import processes
+from utils.base import processes
+from utils.base.paths import LOOPBACK, build_dir, free_port
 
 # NVLink SHARP / multicast (NVLS): on NVSwitch systems, NCCL, PyTorch's symmetric memory and NVSHMEM can
 # let the switch itself combine and replicate data. It reserves switch and driver resources shared by every
 # GPU of the host; the course keeps it off in every process it starts.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"   # Linux's loopback interface: gloo binds its connections to it (GLOO_SOCKET_IFNAME)
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_listening(port: int, host: str = LOOPBACK) -> bool:
@@ -103,7 +96,7 @@ class Run:
     out_dir: Path                  # where the ranks write their results (--out)
     port: int
     pgids: list[int] = field(default_factory=list)
-    nonces: list[str] = field(default_factory=list)   # in every process's environment (utils.processes)
+    nonces: list[str] = field(default_factory=list)   # in every process's environment (utils.base.processes)
     seconds: float = 0.0
     returncodes: list[int | None] = field(default_factory=list)
 
@@ -179,8 +172,6 @@ def processes_log_tail(path: Path, lines: int = 25) -> str:
 
 
 def build_root() -> Path:
-    from .report import build_dir
-
     return build_dir() / "lab06"
 
 

@@ -198,7 +198,7 @@ MISSING_CODE_OBJECT = ("HIP error: invalid device function\nHIP kernel errors mi
 
 
 def _raise_missing_code_object(module, args):
-    raise RuntimeError(MISSING_CODE_OBJECT + "\n(simulated by utils.faults.inject(model, 'e'): what PyTorch "
+    raise RuntimeError(MISSING_CODE_OBJECT + "\n(simulated by utils.clinic.faults.inject(model, 'e'): what PyTorch "
                        "raises when its build has no code object for the GPU's architecture)")
 
 

@@ -5,8 +5,8 @@ size of the whole buffer (all_gather: the gathered output; reduce_scatter: the i
 rank's buffer) and the factor makes busbw comparable with the link's peak whatever the rank count n:
 all_reduce 2(n-1)/n, all_gather, reduce_scatter and all_to_all (n-1)/n, broadcast 1.
 
-The measurement runs on every rank, started by torchrun (`python -m utils.collectives ...`, see
-`utils.launch`): per size, one checked call, `warmup` calls, then `iters` calls timed by the host clock
+The measurement runs on every rank, started by torchrun (`python -m utils.multigpu.collectives ...`, see
+`utils.multigpu.launch`): per size, one checked call, `warmup` calls, then `iters` calls timed by the host clock
 between two device synchronisations, averaged over the ranks, as nccl-tests does.
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ def parse_sizes(text: str) -> list[int]:
 
 @_record
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m utils.collectives", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m utils.multigpu.collectives", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=parse_sizes, required=True, help="bytes, comma-separated")
     p.add_argument("--collectives", default=",".join(COLLECTIVES))
     p.add_argument("--iters", type=int, default=20)

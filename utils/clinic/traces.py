@@ -10,11 +10,12 @@ import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-TRACES_FILE = Path(__file__).with_name("data") / "decode_traces.json"
+from utils.base.paths import DATA_DIR
+
+TRACES_FILE = DATA_DIR / "decode_traces.json"
 ROLES = ("GEMM", "attention", "norm", "elementwise", "embedding", "copy")
 
 # (pattern, library) in order; the first match names the library of a kernel or operator.

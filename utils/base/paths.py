@@ -1,0 +1,106 @@
+"""Where the course's files are, where it may write, its run environment (course.env) and its ports.
+
+    python -m utils.base.paths env     # `export NAME=value` lines of course.env, for shell scripts
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]     # utils/
+REPO_ROOT = PACKAGE_DIR.parent
+DATA_DIR = PACKAGE_DIR / "data"
+REFERENCE_DIR = PACKAGE_DIR / "reference"
+SOLUTIONS_DIR = REPO_ROOT / "solutions"
+LABS_DIR = REPO_ROOT / "labs"
+ENV_FILE = REPO_ROOT / "course.env"
+LOOPBACK = "127.0.0.1"
+_LINE = re.compile(r"^(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>.*)$")
+
+
+def may_write(folder: Path) -> bool:
+    """Whether this user may create or change files in `folder` (or, if it does not exist yet, in the
+    nearest folder above it that does)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
+
+
+def build_dir() -> Path:
+    """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
+    course checkout (an editable install) if this user may write there, else ./build in the working
+    directory; a checkout shared read-only by several learners falls back to ~/.cache/rocm-cuda-labs/build
+    (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
+    env = os.environ.get("COURSE_BUILD_DIR")
+    if env:
+        return Path(env).resolve()
+    if (REPO_ROOT / "pyproject.toml").exists():
+        if may_write(REPO_ROOT / "build"):
+            return REPO_ROOT / "build"
+        return Path.home() / ".cache" / "rocm-cuda-labs" / "build"
+    return Path.cwd() / "build"
+
+
+def results_dir() -> Path:
+    """The labs' recorded figures (`utils.record`): build/results."""
+    return build_dir() / "results"
+
+
+def course_env_file(path: Path = ENV_FILE) -> dict[str, str]:
+    """course.env as written: {NAME: value with ${...} unexpanded}. A line that is not a comment, blank
+    or NAME=value is an error naming the file and the line."""
+    found = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise ValueError(f"{path}:{number}: not NAME=value: {line!r}")
+        found[m.group("name")] = m.group("value")
+    return found
+
+
+def run_environment(build: Path | None = None, *, keep_existing: bool = True) -> dict[str, str]:
+    """The course's run environment (course.env) with ${COURSE_BUILD_DIR} set to `build` (default: this
+    user's build folder), COURSE_BUILD_DIR included. `keep_existing`: a variable already in os.environ
+    keeps its value (a learner's own HF_HOME, a test's private cache)."""
+    build = Path(build) if build is not None else build_dir()
+    env = {"COURSE_BUILD_DIR": str(build)}
+    for name, value in course_env_file().items():
+        env[name] = value.replace("${COURSE_BUILD_DIR}", str(build))
+    if keep_existing:
+        env = {k: os.environ.get(k, v) for k, v in env.items()}
+    return env
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that is free on `host` now (the caller binds it next; another process may take it first)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something accepts connections on host:port."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["env"]:
+        print("usage: python -m utils.base.paths env", file=sys.stderr)
+        return 2
+    for name, value in run_environment().items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from utils import device as devices
-from utils import params
+from utils import backend, params
 from utils.params import ParameterError
 
 CPU = devices.cpu_info()
@@ -31,7 +31,15 @@ def test_size_defaults_by_device(recorded):
     assert params.size("N", 1024, device=CPU, cpu=256, gpu=8192) == 1024
 
 
-def test_size_that_does_not_fit_names_the_parameter_and_a_size_that_does(recorded):
+def no_gpu_runtime(monkeypatch):
+    """As on a machine with no CUDA/ROCm runtime: a recorded GPU's free memory is unknown, its total stands in."""
+    def unavailable(self):
+        raise RuntimeError("no GPU runtime in this process")
+    monkeypatch.setattr(backend.Backend, "free_memory_bytes", unavailable)
+
+
+def test_size_that_does_not_fit_names_the_parameter_and_a_size_that_does(recorded, monkeypatch):
+    no_gpu_runtime(monkeypatch)
     h100 = gpu(recorded)
     with pytest.raises(ParameterError) as err:
         params.size("ADD_N", 2**34, device=h100, cpu=1, gpu=1, bytes_needed=lambda n: 3 * n * 4)
@@ -49,7 +57,8 @@ def test_size_uses_free_memory_on_cpu(monkeypatch):
         params.size("N", 1 << 28, device=CPU, cpu=1, gpu=1, bytes_needed=lambda n: 12 * n)
 
 
-def test_unknown_memory_is_not_checked():
+def test_unknown_memory_is_not_checked(monkeypatch):
+    no_gpu_runtime(monkeypatch)
     unknown = dataclasses.replace(CPU, backend="cuda", memory_bytes=None)
     assert params.size("N", 10**12, device=unknown, cpu=1, gpu=1, bytes_needed=lambda n: n) == 10**12
 

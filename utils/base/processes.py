@@ -9,7 +9,8 @@
 - it gets SIGTERM, SIGINT or SIGHUP (what `Owned.stop()` sends);
 - the command exits by itself (whatever it left behind in the group goes too).
 
-Every group is recorded in `build/processes/<pgid>.json` with its owner's pid and start time.
+Every group is recorded in `build/processes/<pgid>.json` with its owner's pid and start time (processes are
+read through psutil).
 `reap_orphans()` ends the groups whose owner is gone, and never one whose owner still runs (another
 learner's, another run's). The command's environment carries a nonce (`COURSE_PROCESS_NONCE`):
 `port_owned_by(port, nonce)` tells whether whoever listens on a port is really this group.
@@ -27,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from utils.base import state
 from utils.base.paths import REPO_ROOT, build_dir
 
@@ -34,28 +37,34 @@ NONCE_VAR = "COURSE_PROCESS_NONCE"
 PR_SET_PDEATHSIG = 1
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of process `pid` (clock ticks since boot), or None when it does not exist: with
-    the pid it identifies a process even after the pid is reused."""
+def start_time(pid: int) -> float | None:
+    """The start time of process `pid` (psutil's create_time), or None when it does not exist or is a
+    zombie: with the pid it identifies a process even after the pid is reused."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
         return None
-    return int(fields[19]) if fields[0] != "Z" else None
 
 
-def alive(pid: int, started: int | None = None) -> bool:
+def alive(pid: int, started: float | None = None) -> bool:
     """Whether process `pid` runs (and, given `started`, is the same process that started then)."""
     now = start_time(pid)
     if now is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not Path("/proc").is_dir() and started is None   # no /proc: trust kill(0)
+        return False
     return started is None or now == started
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of process group `pgid`."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
 
 
 def group_alive(pgid: int) -> bool:
@@ -66,14 +75,7 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(_group_members(pgid))
 
 
 def end_group(pgid: int, timeout: float = 20.0) -> None:
@@ -196,50 +198,26 @@ def reap_orphans(folder: Path | None = None, timeout: float = 10.0) -> list[dict
 
 # --- who listens on a port -------------------------------------------------------------------------
 
-def _listening_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(cols[9])
-    return inodes
-
-
 def listener_pids(port: int) -> set[int]:
-    """Pids of the processes (readable by this user) that hold a socket listening on `port`."""
-    inodes = {f"socket:[{i}]" for i in _listening_inodes(port)}
-    pids = set()
-    if not inodes:
-        return pids
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            for fd in fd_dir.iterdir():
-                if os.readlink(fd) in inodes:
-                    pids.add(int(fd_dir.parent.name))
-                    break
-        except OSError:
-            continue
-    return pids
+    """Pids of the processes (those this user may inspect) that hold a socket listening on `port`."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return set()
+    return {c.pid for c in conns if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
 
 
 def environ(pid: int) -> dict[str, str]:
+    """Process `pid`'s environment ({} if it is gone or not this user's)."""
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
         return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
 def port_owned_by(port: int, nonce: str) -> bool | None:
     """True if the process listening on `port` carries `nonce` in its environment, False if another
-    process listens there, None if this cannot be told (no /proc, or nobody is listening yet)."""
-    if not Path("/proc/net/tcp").exists():
-        return None
+    process listens there, None if this cannot be told (nobody this user can see is listening yet)."""
     pids = listener_pids(port)
     if not pids:
         return None
@@ -305,17 +283,8 @@ def _end_others(timeout: float) -> None:
 
 
 def _others_in_group() -> list[int]:
-    me, pgid = os.getpid(), os.getpgrp()
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        pid = int(stat.parent.name)
-        if pid != me and int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(pid)
-    return found
+    me = os.getpid()
+    return [pid for pid in _group_members(os.getpgrp()) if pid != me]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import nbformat
+import psutil
 
 from utils import exercises, params, solutions
 from utils.base import processes, state
@@ -212,22 +213,12 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
 
 
 def _kill_kernels() -> None:
-    """SIGKILL this process's Jupyter kernels (children running ipykernel); Linux /proc, elsewhere nothing."""
-    me = os.getpid()
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return
-    for pid in pids:
+    """SIGKILL this process's Jupyter kernels (its children running ipykernel)."""
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != me:
-                continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ipykernel" in f.read():
-                    os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
+            if any("ipykernel" in part for part in child.cmdline()):
+                child.kill()
+        except psutil.Error:
             continue
 
 

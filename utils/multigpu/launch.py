@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from utils.base import processes
 from utils.base.paths import LOOPBACK, build_dir, free_port
 
@@ -116,12 +118,8 @@ class Run:
 def processes_with_nonce(nonces: list[str]) -> list[int]:
     """Pids of the running processes (readable by this user) whose environment carries one of `nonces`:
     whatever a run started, even a process that left its process group."""
-    found = []
-    for env_file in Path("/proc").glob("[0-9]*/environ"):
-        pid = int(env_file.parent.name)
-        if pid != os.getpid() and processes.environ(pid).get(processes.NONCE_VAR) in nonces and processes.alive(pid):
-            found.append(pid)
-    return found
+    return [pid for pid in psutil.pids()
+            if pid != os.getpid() and processes.environ(pid).get(processes.NONCE_VAR) in nonces and processes.alive(pid)]
 
 
 def _error_files(log_dir: Path) -> list[dict]:

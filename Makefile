@@ -54,8 +54,12 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The build folder and every cache in it are this user's alone (0700, checked: not a link, not another user's):
+# Jupyter's runtime files (make lab's token) and the compiled helpers live there.
 dirs:
-	@mkdir -p $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR)
+	@$(PY) -m utils.base.paths private $(COURSE_BUILD_DIR) $(COURSE_BUILD_DIR)/cache $(COURSE_BUILD_DIR)/cache/jupyter \
+	  $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR) $(TRITON_CACHE_DIR) \
+	  $(HF_HOME)
 
 run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, write build/report.md
 	$(PY) -m utils.machinery.harness run --device $(DEVICE)

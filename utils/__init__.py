@@ -23,7 +23,7 @@ Lab families:
     clinic/     lab 07: doctor, divergence, faults, traces
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):
-    machinery/  harness, labs, parameters, report, executed, preflight
+    machinery/  harness, labs, parameters, report, executed, preflight, workspace (a hub learner's folder)
 
 The floor (imports nothing else of the course):
     base/       paths (files, build folder, course.env, ports), state (safe state files), processes

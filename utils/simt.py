@@ -17,12 +17,16 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from utils.base import state
+from utils.base.paths import build_dir, private_dir
 
 
 def lane_layout(threads: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -420,11 +424,13 @@ def _build(source: str, name: str, args: list, platform: str) -> Path:
     main = _main_source(name, args)
     cxx = _compiler()
     key = hashlib.sha256("\0".join([RUNTIME, source, main, platform, cxx]).encode()).hexdigest()[:20]
-    cache = Path(tempfile.gettempdir()) / f"course-simt-{os.getuid()}"
+    # compiled helpers live in this user's private build folder (0700, checked), never in a shared /tmp where
+    # another user could plant a program of the expected name; each is run only if its bytes still hash to what
+    # was recorded when it was built
+    cache = private_dir(build_dir() / "cache" / "simt")
     exe = cache / f"{name}-{platform}-{key}"
-    if exe.exists():
+    if _trusted(exe):
         return exe
-    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         tmp = Path(tmp)
         for header in ("cuda_runtime.h", "cuda.h", "hip/hip_runtime.h"):
@@ -443,8 +449,22 @@ def _build(source: str, name: str, args: list, platform: str) -> Path:
             raise KernelError(f"the kernel does not compile ({'HIP' if platform == 'hip' else 'CUDA'}): "
                               + "; ".join(dict.fromkeys(errors[:3]))
                               + (f" (kernel line {', '.join(map(str, where[:3]))})" if where else ""))
+        digest = hashlib.sha256((tmp / "exe").read_bytes()).hexdigest()
         os.replace(tmp / "exe", exe)
+        state.write_text_atomic(exe.with_suffix(".sha256"), digest + "\n")
     return exe
+
+
+def _trusted(exe: Path) -> bool:
+    """Whether `exe` is a helper this user built: a regular file of ours, not writable by others, whose bytes
+    hash to the digest recorded beside it."""
+    try:
+        info = os.lstat(exe)
+        recorded = exe.with_suffix(".sha256").read_text().strip()
+    except OSError:
+        return False
+    return (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+            and hashlib.sha256(exe.read_bytes()).hexdigest() == recorded)
 
 
 def run_kernel(source: str, name: str, args: list, *, grid: int, block: int, width: int, platform: str = "hip",

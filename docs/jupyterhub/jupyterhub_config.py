@@ -22,12 +22,13 @@ COURSE_HUB_MODE picks how people log in:
   127.0.0.1 only; tests/test_workshop_hub.py uses it. Never on a network.
 
 Other variables: COURSE_HUB_CHECKOUT (the shared checkout; default: the one holding this file),
-COURSE_HUB_PORT (test mode: the hub's public port), COURSE_HUB_STATE (database, cookie secret; default:
+COURSE_HUB_PORT (test mode: the hub's public port), COURSE_HUB_LEARNER_PYTHON (the Python that prepares a
+learner's folder as the learner; default: the hub's), COURSE_HUB_STATE (database, cookie secret; default:
 the working directory), COURSE_HUB_THREADS (OMP_NUM_THREADS per learner; default: cores / 4, at least 1).
 """
 import os
 import pwd
-import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -39,8 +40,12 @@ MODE = os.environ.get("COURSE_HUB_MODE", "room")
 STATE = Path(os.environ.get("COURSE_HUB_STATE") or os.getcwd()).resolve()
 WORK = "rocm-cuda-labs"          # each learner's folder, in their home
 BIN = Path(sys.executable).parent  # the course's environment (jupyterhub-singleuser, the kernel)
+# the Python that prepares a learner's folder as the learner (only the standard library is needed); it and the
+# checkout must be readable by the learners, as the course's environment is on a hub
+LEARNER_PYTHON = os.environ.get("COURSE_HUB_LEARNER_PYTHON") or sys.executable
 sys.path.insert(0, str(CHECKOUT))
 from utils.base.paths import run_environment  # noqa: E402 (the course's run environment: course.env)
+from utils.machinery import workspace  # noqa: E402 (a learner's folder, made as the learner)
 
 if MODE not in ("room", "test"):
     raise ValueError(f"COURSE_HUB_MODE={MODE!r}: use 'room' or 'test'")
@@ -93,18 +98,21 @@ def environment(spawner) -> dict:
 
 def prepare(spawner):
     """Before a learner's server starts: their own copy of labs/ (kept across restarts: it holds their
-    work), solutions/ as a link to the shared checkout, and their build folder; owned by the learner."""
+    work), solutions/ as a link to the shared checkout, and their private build folder. In a room the hub
+    runs as root, so the folder is made by a process running as the learner (utils/machinery/workspace.py):
+    root never creates, follows or changes the owner of anything in a learner's home (docs/jupyterhub/README.md)."""
     folder = work(spawner)
-    (folder / "build" / "cache").mkdir(parents=True, exist_ok=True)
-    if not (folder / "labs").exists():
-        shutil.copytree(CHECKOUT / "labs", folder / "labs")
-    if not (folder / "solutions").exists():
-        (folder / "solutions").symlink_to(CHECKOUT / "solutions")
     if MODE == "room":
         user = pwd.getpwnam(spawner.user.name)
-        for path in [folder, *folder.rglob("*")]:
-            if not path.is_symlink():
-                os.chown(path, user.pw_uid, user.pw_gid)
+        run = subprocess.run([LEARNER_PYTHON, "-m", "utils.machinery.workspace", str(folder), "--checkout", str(CHECKOUT)],
+                             user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd=user.pw_dir,
+                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(CHECKOUT), "HOME": user.pw_dir},
+                             capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            raise RuntimeError(f"{spawner.user.name}'s folder {folder} could not be prepared: "
+                               f"{(run.stderr.strip().splitlines() or ['(no message)'])[-1]}")
+    else:
+        workspace.prepare(folder, CHECKOUT)   # test mode: every server runs as the hub's own user
     spawner.environment = {**spawner.environment, **environment(spawner)}
 
 

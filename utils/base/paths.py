@@ -1,12 +1,14 @@
 """Where the course's files are, where it may write, its run environment (course.env) and its ports.
 
-    python -m utils.base.paths env     # `export NAME=value` lines of course.env, for shell scripts
+    python -m utils.base.paths env                # `export NAME=value` lines of course.env, for shell scripts
+    python -m utils.base.paths private FOLDER...  # create (0700) and check the course's private folders
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import stat
 import socket
 import sys
 from pathlib import Path
@@ -20,6 +22,34 @@ LABS_DIR = REPO_ROOT / "labs"
 ENV_FILE = REPO_ROOT / "course.env"
 LOOPBACK = "127.0.0.1"
 _LINE = re.compile(r"^(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>.*)$")
+
+
+class UnsafePath(PermissionError):
+    """A folder the course would keep private is a link, another user's, or writable by others; says which."""
+
+
+def private_dir(folder: Path) -> Path:
+    """`folder`, created by this user with mode 0700 if missing, and checked before use: a real folder (not a
+    symbolic link), owned by this user, not writable by group or others. A folder of ours with a looser mode is
+    tightened to 0700; anything else raises UnsafePath naming the path and what to do. Parents are made as
+    `mkdir -p` makes them (inside a location of this user's: the checkout's build/, ~/.cache)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafePath(f"{folder} is {'a symbolic link' if stat.S_ISLNK(info.st_mode) else 'not a folder'}: the "
+                         "course keeps its files in a private folder of its own; remove it (or set COURSE_BUILD_DIR "
+                         "to a folder of yours) and run again")
+    if info.st_uid != os.geteuid():
+        raise UnsafePath(f"{folder} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}): another user "
+                         "made it, so nothing in it is trusted; remove it or set COURSE_BUILD_DIR to a folder of yours")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    return folder
 
 
 def may_write(folder: Path) -> bool:
@@ -94,12 +124,20 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] != ["env"]:
-        print("usage: python -m utils.base.paths env", file=sys.stderr)
-        return 2
-    for name, value in run_environment().items():
-        print(f"export {name}={shlex.quote(value)}")
-    return 0
+    if argv[:1] == ["env"]:
+        for name, value in run_environment().items():
+            print(f"export {name}={shlex.quote(value)}")
+        return 0
+    if argv[:1] == ["private"] and len(argv) > 1:
+        try:
+            for folder in argv[1:]:
+                private_dir(Path(folder))
+        except UnsafePath as exc:
+            print(f"refused: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    print("usage: python -m utils.base.paths env | private FOLDER...", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -22,12 +23,25 @@ class CorruptStateError(ValueError):
     """A state file exists but cannot be read; the message names it."""
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half)."""
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
+    """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half).
+    The file keeps its mode; a new one gets `mode`, by default what `open()` would give it (0644 under the usual
+    umask: a generated lab must stay readable by the learners a hub copies it for; privacy comes from folders)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        keep = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        keep = mode if mode is not None else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, keep)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

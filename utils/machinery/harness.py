@@ -32,7 +32,7 @@ import psutil
 
 from utils import exercises, params, solutions
 from utils.base import processes, state
-from utils.base.paths import build_dir, run_environment
+from utils.base.paths import UnsafePath, build_dir, private_dir, run_environment
 from utils.machinery import labs, parameters, report
 
 DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
@@ -104,7 +104,7 @@ def _lock_build(build: Path):
     overwrite this one's status and results) and says how to run beside it."""
     import fcntl
 
-    build.mkdir(parents=True, exist_ok=True)
+    private_dir(build)      # this user's own, 0700; a link or another user's folder is refused by name
     lock = open(build / "run.lock", "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     except params.ParameterError as err:
         print(f"ParameterError: {err}", file=sys.stderr)
         return 2
-    except BuildBusy as err:
+    except (BuildBusy, UnsafePath) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:

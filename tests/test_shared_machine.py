@@ -189,3 +189,38 @@ def test_atomic_writes_keep_a_files_mode_and_give_new_ones_the_usual_one(tmp_pat
     os.chmod(new, 0o600)
     state.write_text_atomic(new, "{ }\n")
     assert stat.S_IMODE(new.stat().st_mode) == 0o600
+
+
+# --- broken state files name themselves -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, found", [(b"\xff\xfe not utf-8", "UnicodeDecodeError"),
+                                            (b'{"run": ', "JSONDecodeError"),
+                                            (b"[1, 2, 3]", "expected a JSON object, found list")])
+def test_a_broken_status_file_is_named_and_the_report_still_builds(build_dir, content, found):
+    from utils.machinery import report
+
+    build_dir.mkdir(parents=True)
+    (build_dir / "status.json").write_bytes(content)
+    with pytest.warns(UserWarning, match=rf"run status .*status.json is corrupt .*{found}"):
+        status = report.load_status(build_dir)
+    assert status == {"labs": {}}
+    assert report.build_report(build_dir).is_file()
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe", b'["not", "a", "record"]'])
+def test_a_broken_reference_record_stops_with_its_name_and_the_fix(tmp_path, monkeypatch, content):
+    from utils import record
+    from utils.base.state import CorruptStateError
+
+    monkeypatch.setattr(record, "REFERENCE_DIR", tmp_path)
+    (tmp_path / "h100.json").write_bytes(content)
+    with pytest.raises(CorruptStateError, match=r"reference record .*h100.json is corrupt .*delete it or restore it"):
+        record.load_reference()
+
+
+def test_a_sidecar_of_the_wrong_shape_is_left_out_by_name(tmp_path):
+    from utils import record
+
+    (tmp_path / "01_vector_add.json").write_text('"just a string"')
+    with pytest.warns(UserWarning, match="results sidecar .*01_vector_add.json is corrupt"):
+        assert record.load_results(tmp_path) == {}

@@ -98,7 +98,7 @@ def load_results(root: Path | None = None) -> dict[str, dict]:
     root = Path(root) if root else results_dir()
     found = {}
     for p in sorted(root.glob("*.json")):
-        data = state.read_json(p, None, what="results sidecar")
+        data = state.read_json(p, None, what="results sidecar", shape=dict)
         if isinstance(data, dict):
             found[p.stem] = data
     return found
@@ -106,4 +106,4 @@ def load_results(root: Path | None = None) -> dict[str, dict]:
 
 def load_reference(name: str = "h100") -> dict | None:
     """A committed reference record; a corrupt one raises CorruptStateError naming the file."""
-    return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise")
+    return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise", shape=dict)

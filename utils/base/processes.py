@@ -183,7 +183,7 @@ def reap_orphans(folder: Path | None = None, timeout: float = 10.0) -> list[dict
     folder = folder or records_dir()
     reaped = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        rec = state.read_json(path, None, what="process record")
+        rec = state.read_json(path, None, what="process record", shape=dict)
         if not isinstance(rec, dict) or "pgid" not in rec:
             path.unlink(missing_ok=True)
             continue

@@ -58,21 +58,27 @@ def write_json(path: str | Path, data: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def read_json(path: str | Path, default: Any = None, *, what: str = "state file", on_corrupt: str = "warn") -> Any:
-    """The JSON in `path`; `default` when it does not exist. A corrupt file raises CorruptStateError
-    naming it (`on_corrupt="raise"`), or warns naming it and returns `default` (`"warn"`)."""
+def read_json(path: str | Path, default: Any = None, *, what: str = "state file", on_corrupt: str = "warn",
+              shape: type | None = None) -> Any:
+    """The JSON in `path`; `default` when it does not exist. A corrupt file (not UTF-8, not JSON, or not of
+    `shape`, e.g. dict) raises CorruptStateError naming it and what to do (`on_corrupt="raise"`), or warns
+    naming it and returns `default` (`"warn"`)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return default
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(raw.decode("utf-8"))
+        if shape is not None and not isinstance(data, shape):
+            raise ValueError(f"expected a JSON {'object' if shape is dict else shape.__name__}, "
+                             f"found {type(data).__name__}")
+        return data
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         message = f"{what} {path} is corrupt ({exc.__class__.__name__}: {exc})"
         if on_corrupt == "raise":
-            raise CorruptStateError(message) from None
-        warnings.warn(f"{message}; ignoring it", stacklevel=2)
+            raise CorruptStateError(message + "; delete it or restore it from git") from None
+        warnings.warn(f"{message}; ignoring it (it is rewritten on the next run)", stacklevel=2)
         return default
 
 

@@ -84,7 +84,7 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
         if cell.cell_type == "code":
             cell.outputs = [_strip(o, limits) for o in cell.outputs]
     results = state.read_json(Path(executed).parent.parent / "results" / f"{executed.stem}.json", {},
-                              what="results sidecar") or {}
+                              what="results sidecar", shape=dict) or {}
     nb.metadata[KEY] = {
         "solution": f"solutions/{solution.name}",
         "solution_sha256": source_hash(nbformat.read(solution, as_version=4)),

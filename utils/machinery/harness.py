@@ -289,7 +289,7 @@ def progress_table(run: bool = False) -> str:
                                     progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
             except Exception as exc:   # a wrong answer stops its lab: its verdict is already recorded
                 print(f"{nb.stem}: stopped at {_short_error(exc)}")
-    seen = state.read_json(exercises.progress_path(), {}, what="progress file") or {}
+    seen = state.read_json(exercises.progress_path(), {}, what="progress file", shape=dict) or {}
     mine = seen.get(solutions.LABS.name, {})
     lines = ["| lab | exercise | status | when |", "|---|---|---|---|"]
     for path in solutions.solution_notebooks():

@@ -31,7 +31,7 @@ REFERENCE_KEYS = ("size", "label", "peak", "fraction_of_peak")
 def load_status(build: Path | None = None) -> dict:
     """The harness's status.json ({"run": ..., "labs": ...}); missing, corrupt (with a warning) or of an
     old format -> no labs."""
-    data = state.read_json(Path(build or build_dir()) / "status.json", {}, what="run status")
+    data = state.read_json(Path(build or build_dir()) / "status.json", {}, what="run status", shape=dict)
     if not isinstance(data, dict) or not isinstance(data.get("labs"), dict):
         data = {}
     data.setdefault("labs", {})
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{lab}: left out of the reference ({why})")
         data = make_reference(results)
         if args.merge and args.out.exists():
-            data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise'), data)
+            data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise', shape=dict), data)
         state.write_json(args.out, data)
         print(f"{args.out}: {len(data['metrics'])} metrics from {data['device']}")
     return 0

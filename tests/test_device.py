@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from utils import device as devices
+from utils import backend, device as devices
 from utils.params import ParameterError
 
 
@@ -68,7 +68,7 @@ def test_unknown_gpu_gets_no_peaks_and_a_note(recorded):
 @pytest.mark.parametrize("raw, arch", [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx90a:sramecc-:xnack+", "gfx90a"),
                                        ("gfx1100", "gfx1100")])
 def test_parse_gcn_arch(raw, arch):
-    assert devices.parse_gcn_arch(raw) == arch
+    assert backend.ROCM.arch_of({"gcnArchName": raw}) == arch
 
 
 def test_name_alone_does_not_match_another_arch(recorded):

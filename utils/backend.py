@@ -12,6 +12,7 @@ utils/data/gpu_specs.toml, a verdict in utils.clinic.doctor, a topology parser i
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -56,7 +57,7 @@ class Backend:
 
     def arch_of(self, props) -> str:
         """The architecture name ("gfx942", "sm_90") from device properties (PyTorch's, or a mapping)."""
-        get = props.get if isinstance(props, dict) else lambda key, default=None: getattr(props, key, default)
+        get = props.get if isinstance(props, Mapping) else lambda key, default=None: getattr(props, key, default)
         if self.arch_property:
             value = str(get(self.arch_property, "") or "")
             if not value.startswith(self.arch_prefix):
@@ -141,9 +142,7 @@ def of_torch_build(**versions) -> Backend:
 
 def this_torch_build() -> Backend:
     """The backend this process's PyTorch was built for."""
-    import torch
-
-    return of_torch_build(**{b.torch_version: getattr(torch.version, b.torch_version, None) for b in GPUS})
+    return of_torch_build(**versions())
 
 
 def versions() -> dict[str, str]:

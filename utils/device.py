@@ -122,11 +122,6 @@ def _get(props: Any, key: str, default=None):
     return getattr(props, key, default)
 
 
-def parse_gcn_arch(gcn_arch_name: str) -> str:
-    """`"gfx942:sramecc+:xnack-"` -> `"gfx942"` (the target features after ':' are dropped)."""
-    return gcn_arch_name.split(":", 1)[0].strip()
-
-
 def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = None) -> DeviceInfo:
     """Build a `DeviceInfo` from `torch.cuda.get_device_properties(i)` or a mapping of the same names.
 
@@ -139,8 +134,7 @@ def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = No
         plat = next((b for b in backend.GPUS if b.arch_property
                      and str(_get(props, b.arch_property) or "").startswith(b.arch_prefix)), backend.CUDA)
     notes: list[str] = []
-    arch = plat.arch_of(props if isinstance(props, Mapping) else {k: _get(props, k) for k in
-                                                                   ("name", plat.arch_property or "major", "minor")})
+    arch = plat.arch_of(props)
     version = given.get(plat.torch_version)
     runtime = f"{plat.runtime} {version}" if version else None
     warp = _get(props, "warp_size")
@@ -258,8 +252,7 @@ def detect(device: str = "auto") -> DeviceInfo:
         raise ParameterError(f"DEVICE={device!r} (resolved to {wanted!r}) but PyTorch sees no GPU "
                              f"(torch {torch.__version__}); use 'auto' or 'cpu', or install a "
                              "CUDA/ROCm build of PyTorch (README: environments)")
-    info = from_properties(plat.module().get_device_properties(0),
-                           hip=torch.version.hip, cuda=torch.version.cuda)
+    info = from_properties(plat.module().get_device_properties(0), **backend.versions())
     if wanted not in ("auto", "gpu") and info.backend != wanted:
         raise ParameterError(f"DEVICE={wanted!r} but this machine's GPU is {info.name} "
                              f"({info.backend}); use 'auto', 'gpu' or {info.backend!r}")

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
+import secrets
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -23,26 +23,18 @@ class CorruptStateError(ValueError):
     """A state file exists but cannot be read; the message names it."""
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> Path:
+def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half).
-    The file keeps its mode; a new one gets `mode`, by default what `open()` would give it (0644 under the usual
-    umask: a generated lab must stay readable by the learners a hub copies it for; privacy comes from folders)."""
+    The file keeps its mode; a new one gets what `open()` gives (0644 under the usual umask: a generated lab must
+    stay readable by the learners a hub copies it for; privacy is the folders' job)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)      # the umask applies, as for open()
     try:
-        keep = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        keep = mode if mode is not None else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, keep)
         with os.fdopen(fd, "w") as f:
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

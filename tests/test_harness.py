@@ -162,3 +162,59 @@ def test_a_second_run_in_the_same_build_folder_stops_at_once(tmp_path, build_dir
     finally:
         held.close()
     assert harness.main(["run", "--device", "cpu", str(nb)]) == 0
+
+
+@pytest.mark.parametrize("value, message", [("-Infinity", "REPS=-inf must be a positive whole number, not -inf"),
+                                            ("-5", "REPS=-5 must be a positive whole number (> 0)"),
+                                            ("nan", "REPS='nan' must be a positive whole number")])
+@pytest.mark.parametrize("form", ["-p NAME VALUE", "-p NAME=VALUE"])
+def test_a_value_that_starts_with_a_dash_reaches_the_parameter_check(tmp_path, build_dir, capsys, value, message,
+                                                                    form):
+    """argparse takes `-Infinity` for an option ("expected 2 arguments"): the harness reads `-p NAME VALUE` itself,
+    so the value is refused by the parameter's name."""
+    nb = write_nb(tmp_path / "45_p.ipynb", "open('ran', 'w').write('1')", parameters='DEVICE = "auto"\nREPS = None')
+    pair = ["-p", "REPS", value] if form == "-p NAME VALUE" else ["-p", f"REPS={value}"]
+    assert harness.main(["run", "--device", "cpu", *pair, str(nb)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"ParameterError: {message}", err
+    assert not (tmp_path / "ran").exists() and not (build_dir / "status.json").exists()
+
+
+def test_a_parameter_without_a_value_is_named_in_one_line(tmp_path, build_dir, capsys):
+    assert harness.main(["run", "--device", "cpu", "-p", "REPS"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-p REPS" in err and "-p NAME VALUE or -p NAME=VALUE" in err, err
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("notes.txt", "hello\n", "is not a notebook"),
+    ("truncated.ipynb", '{"cells": [', "is not a readable notebook (NotJSONError"),
+    ("empty.ipynb", "", "is not a readable notebook (NotJSONError"),
+    ("no_cells.ipynb", '{"nbformat": 4, "cells": 3}', "is not a readable notebook"),
+    ("missing.ipynb", None, "no such notebook"),
+])
+def test_a_file_that_is_not_a_notebook_is_named_in_one_line(tmp_path, build_dir, capsys, name, content, problem):
+    """`harness run notes.txt` (or a corrupt or missing notebook): one line naming the file, exit 2, no traceback,
+    nothing run."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    assert harness.main(["run", "--device", "cpu", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}") and problem in err, err
+    assert "Traceback" not in err and not (build_dir / "status.json").exists()
+
+
+def test_a_full_disk_at_the_run_lock_is_named_with_the_fix(tmp_path, build_dir, capsys, monkeypatch):
+    """ENOSPC while the run takes build/run.lock: one line naming the lock's path and what to do, exit 2."""
+    import errno
+
+    def no_space(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    nb = write_nb(tmp_path / "90_x.ipynb", "print(1)")
+    monkeypatch.setattr(harness, "open", no_space, raising=False)      # the harness's own open(), nobody else's
+    assert harness.main(["run", "--device", "cpu", str(nb)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {build_dir / 'run.lock'}: its disk is full"), err
+    assert "free some space on it, or set COURSE_BUILD_DIR to a folder on another disk" in err

@@ -47,6 +47,7 @@ def test_stop_ends_the_group_with_what_it_left_behind(build_dir, tmp_path):
         assert processes.port_owned_by(port, "not-the-nonce") is False
         record = state.read_json(owned.record)
         assert record["owner_pid"] == os.getpid() and record["pgid"] == owned.pgid
+        assert record["uid"] == os.getuid() and record["guard_start"] == processes.start_time(owned.pgid)
     assert not processes.group_alive(owned.pgid) and not listening(port)
     assert not owned.record.exists()
 
@@ -89,17 +90,17 @@ def test_reap_orphans_ends_dead_owners_groups_and_spares_live_ones(build_dir, tm
     gone = subprocess.Popen(["true"])
     gone.wait()
     state.write_json(folder / f"{orphan.pid}.json", {
-        "pgid": orphan.pid, "guard_start": processes.start_time(orphan.pid), "owner_pid": gone.pid,
+        "pgid": orphan.pid, "guard_start": processes.start_time(orphan.pid), "uid": os.getuid(), "owner_pid": gone.pid,
         "owner_start": 1, "label": "stale server"})
     # another learner's live group: its owner runs
     live = subprocess.Popen(["sleep", "300"], start_new_session=True)
     state.write_json(folder / f"{live.pid}.json", {
-        "pgid": live.pid, "guard_start": processes.start_time(live.pid), "owner_pid": os.getpid(),
+        "pgid": live.pid, "guard_start": processes.start_time(live.pid), "uid": os.getuid(), "owner_pid": os.getpid(),
         "owner_start": processes.start_time(os.getpid()), "label": "live server"})
     # a record whose pid now belongs to another process (pid reuse): not touched, only forgotten
     reused = subprocess.Popen(["sleep", "300"], start_new_session=True)
     state.write_json(folder / f"{reused.pid}.json", {
-        "pgid": reused.pid, "guard_start": 12345, "owner_pid": gone.pid, "owner_start": 1})
+        "pgid": reused.pid, "guard_start": 12345, "uid": os.getuid(), "owner_pid": gone.pid, "owner_start": 1})
     try:
         reaped = processes.reap_orphans()
         assert [r["pgid"] for r in reaped] == [orphan.pid]
@@ -111,6 +112,41 @@ def test_reap_orphans_ends_dead_owners_groups_and_spares_live_ones(build_dir, tm
         for p in (orphan, live, reused):
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("flaw", ["no start time", "start time null", "wrong start time", "another uid", "no uid",
+                                  "no owner", "pgid 0"])
+def test_a_record_that_does_not_prove_the_group_is_ours_ends_nothing(build_dir, flaw):
+    """The owner is dead, the recorded pgid is a live process of ours, but the record lacks (or contradicts) its
+    start time or its user: reap_orphans forgets the record and the process lives on."""
+    folder = processes.records_dir()
+    bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record = {"pgid": bystander.pid, "guard_start": processes.start_time(bystander.pid), "uid": os.getuid(),
+              "owner_pid": gone.pid, "owner_start": 1.0, "label": "not ours to end"}
+    if flaw == "no start time":
+        del record["guard_start"]
+    elif flaw == "start time null":
+        record["guard_start"] = None
+    elif flaw == "wrong start time":
+        record["guard_start"] += 1
+    elif flaw == "another uid":
+        record["uid"] = os.getuid() + 1
+    elif flaw == "no uid":
+        del record["uid"]
+    elif flaw == "no owner":
+        del record["owner_pid"]
+    elif flaw == "pgid 0":                 # os.killpg(0) would end our own group
+        record["pgid"] = 0
+    path = state.write_json(folder / f"{bystander.pid}.json", record)
+    try:
+        assert processes.reap_orphans() == []
+        assert bystander.poll() is None, "a process the record did not prove ours was ended"
+        assert not path.exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_a_corrupt_record_is_dropped(build_dir):

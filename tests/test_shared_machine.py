@@ -2,6 +2,7 @@
 checked before use), a compiled helper runs only if it is the one this user built, and the hub's root-side hook
 never follows a learner's link nor changes the owner of anything. The attacks run as real second users where the
 tests run as root (CI does); elsewhere those tests skip and say why."""
+import errno
 import os
 import pwd
 import shutil
@@ -189,6 +190,128 @@ def test_atomic_writes_keep_a_files_mode_and_give_new_ones_the_usual_one(tmp_pat
     os.chmod(new, 0o600)
     state.write_text_atomic(new, "{ }\n")
     assert stat.S_IMODE(new.stat().st_mode) == 0o600
+
+
+# --- a build folder that is not writable, a checkout that is read-only ------------------------------------------
+
+@pytest.fixture
+def learner(request, tmp_path):
+    """Runs commands as a non-root user (root ignores file modes): this user when not root, else the victim of
+    `second_users`; `folder` is a folder of that user's, `own(path)` gives them what the test made."""
+    if os.geteuid() != 0:
+        return types.SimpleNamespace(
+            folder=tmp_path, own=lambda path: None,
+            run=lambda cmd: subprocess.run(cmd, capture_output=True, text=True, env={
+                "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}))
+    if not shutil.which("useradd"):
+        pytest.skip("runs as root without useradd: no non-root user to check file modes with")
+    user = request.getfixturevalue("second_users").victim
+    folder = Path(user.pw_dir) / "work"
+    folder.mkdir()
+
+    def own(path):
+        for part in [path, *Path(path).rglob("*")]:
+            os.lchown(part, user.pw_uid, user.pw_gid)
+
+    own(folder)
+    return types.SimpleNamespace(folder=folder, own=own, run=lambda cmd: as_user(user, cmd))
+
+
+BUILD_DIR_OF = """
+import sys
+from pathlib import Path
+from utils.base import paths
+paths.REPO_ROOT = Path(sys.argv[1])          # a checkout of the learner's, not this one
+try:
+    print(paths.build_dir())
+    print(paths.build_dir())
+except PermissionError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+@pytest.mark.parametrize("chosen_by", ["the checkout", "COURSE_BUILD_DIR"])
+def test_a_build_folder_that_is_not_writable_is_an_error_not_a_detour(learner, chosen_by):
+    """The learner's build/ exists but is read-only for them: the course stops naming it and the fix, instead of
+    writing the results to ~/.cache where the report and `make run` never look."""
+    checkout = learner.folder / "checkout"
+    (checkout / "build").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    learner.own(checkout)
+    os.chmod(checkout / "build", 0o500)
+    script = BUILD_DIR_OF if chosen_by == "the checkout" else \
+        f"import os; os.environ['COURSE_BUILD_DIR'] = {str(checkout / 'build')!r}\n" + BUILD_DIR_OF
+    out = learner.run([LEARNER_PYTHON, "-c", script, str(checkout)])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (f"BuildFolderError: the build folder {checkout / 'build'} is not writable by you; "
+                                  f"make it yours again: chmod u+w {checkout / 'build'}, or set COURSE_BUILD_DIR "
+                                  "to a folder of yours"), out.stdout
+
+
+def test_a_read_only_checkout_without_build_uses_the_cache_and_says_so_once(learner):
+    checkout = learner.folder / "checkout"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text("")
+    learner.own(checkout)
+    os.chmod(checkout, 0o555)
+    out = learner.run([LEARNER_PYTHON, "-c", BUILD_DIR_OF, str(checkout)])
+    assert out.returncode == 0, out.stderr
+    used = out.stdout.split()
+    assert len(used) == 2 and used[0] == used[1] and used[0].endswith(".cache/rocm-cuda-labs/build"), out.stdout
+    assert out.stderr.count("\n") == 1 and f"the checkout {checkout} is read-only and has no build/" in out.stderr \
+        and used[0] in out.stderr, out.stderr
+
+
+def test_a_build_folder_that_is_not_writable_stops_the_shell_environment_in_one_line(learner):
+    """`eval "$(python -m utils.base.paths env)"` (binder/start): an error line, exit 1, no traceback."""
+    build = learner.folder / "build"
+    build.mkdir()
+    learner.own(build)
+    os.chmod(build, 0o500)
+    out = learner.run(["env", f"COURSE_BUILD_DIR={build}", LEARNER_PYTHON, "-m", "utils.base.paths", "env"])
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.startswith(f"error: the build folder {build} is not writable by you") and \
+        out.stderr.count("\n") == 1, out.stderr
+
+
+# --- a full disk, a used-up quota, a read-only file system name the file and what to do ------------------------
+
+def refuse(code):
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return refused
+
+
+@pytest.mark.parametrize("call, code, advice", [
+    ("fsync", errno.ENOSPC, "its disk is full (No space left on device); free some space on it, or set "
+                            "COURSE_BUILD_DIR to a folder on another disk, and run again"),
+    ("replace", errno.EDQUOT, "your disk quota is used up"),
+    ("open", errno.EROFS, "its file system is read-only (Read-only file system); set COURSE_BUILD_DIR to a "
+                          "writable folder elsewhere"),
+])
+def test_a_state_file_that_cannot_be_written_names_itself_and_what_to_do(tmp_path, monkeypatch, call, code, advice):
+    """The old file stays whole, no temporary file is left, and the error (an OSError with the errno) says which
+    file and what to do, not a bare `[Errno 28]`."""
+    from utils.base import state
+
+    path = state.write_json(tmp_path / "status.json", {"run": "earlier"})
+    monkeypatch.setattr(os, call, refuse(code))
+    with pytest.raises(state.StorageError) as caught:
+        state.write_json(path, {"run": "this one"})
+    monkeypatch.undo()
+    assert str(caught.value).startswith(f"cannot write {path}: {advice}"), caught.value
+    assert caught.value.errno == code and isinstance(caught.value, OSError)
+    assert state.read_json(path) == {"run": "earlier"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
+
+
+def test_a_full_disk_while_taking_a_state_files_lock_names_the_lock(tmp_path, monkeypatch):
+    from utils.base import state
+
+    monkeypatch.setattr(state, "open", refuse(errno.ENOSPC), raising=False)   # state's own open(), nobody else's
+    with pytest.raises(state.StorageError, match=rf"cannot write {tmp_path / 'progress.json.lock'}: its disk is full"):
+        state.update_json(tmp_path / "progress.json", lambda data: {"done": 1}, {})
+    assert not (tmp_path / "progress.json").exists()
 
 
 # --- broken state files name themselves -----------------------------------------------------------------------

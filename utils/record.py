@@ -67,9 +67,10 @@ class Recorder:
 
     def figure(self, fig, name: str) -> Path:
         """Save a matplotlib figure for the report (the notebook still shows it inline)."""
-        self.figure_dir.mkdir(parents=True, exist_ok=True)
         path = self.figure_dir / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        with state.storage_errors(path):      # a full disk names the figure's file and what to do
+            self.figure_dir.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=110, bbox_inches="tight")
         rel = path.relative_to(self.root).as_posix()
         if rel not in self.data["figures"]:
             self.data["figures"].append(rel)

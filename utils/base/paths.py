@@ -61,19 +61,48 @@ def may_write(folder: Path) -> bool:
     return os.access(folder, os.W_OK)
 
 
+class BuildFolderError(PermissionError):
+    """The build folder exists but this user may not write in it; says which and how to fix it."""
+
+
+_told_about_cache = False
+
+
+def _writable_build(folder: Path) -> Path:
+    """`folder`, unless it exists and this user may not write in it: then BuildFolderError naming it and the fix
+    (results silently going elsewhere would leave the report and the status out of date)."""
+    if folder.is_dir() and not os.access(folder, os.W_OK):
+        owner, me = folder.stat().st_uid, os.geteuid()
+        if owner == me:
+            fix = f"make it yours again: chmod u+w {folder}, or set COURSE_BUILD_DIR to a folder of yours"
+        else:
+            fix = f"it belongs to uid {owner} (you are uid {me}): set COURSE_BUILD_DIR to a folder of yours"
+        raise BuildFolderError(f"the build folder {folder} is not writable by you; {fix}")
+    return folder
+
+
 def build_dir() -> Path:
     """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
-    course checkout (an editable install) if this user may write there, else ./build in the working
-    directory; a checkout shared read-only by several learners falls back to ~/.cache/rocm-cuda-labs/build
-    (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
+    course checkout (an editable install), else ./build in the working directory. A build folder that exists
+    but is not writable by this user raises BuildFolderError; a checkout shared read-only by several learners
+    (the checkout and its build/, if any, not writable) falls back to ~/.cache/rocm-cuda-labs/build and says so
+    once (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
+    global _told_about_cache
     env = os.environ.get("COURSE_BUILD_DIR")
     if env:
-        return Path(env).resolve()
+        return _writable_build(Path(env).resolve())
     if (REPO_ROOT / "pyproject.toml").exists():
-        if may_write(REPO_ROOT / "build"):
-            return REPO_ROOT / "build"
-        return Path.home() / ".cache" / "rocm-cuda-labs" / "build"
-    return Path.cwd() / "build"
+        build = REPO_ROOT / "build"
+        if may_write(REPO_ROOT) or (build.exists() and may_write(build)):
+            return _writable_build(build)
+        cache = Path.home() / ".cache" / "rocm-cuda-labs" / "build"
+        if not _told_about_cache:
+            _told_about_cache = True
+            what = "and so is its build/" if build.exists() else "and has no build/"
+            print(f"note: the checkout {REPO_ROOT} is read-only {what}: results go to {cache} "
+                  "(set COURSE_BUILD_DIR to choose another folder)", file=sys.stderr)
+        return cache
+    return _writable_build(Path.cwd() / "build")
 
 
 def results_dir() -> Path:
@@ -125,7 +154,12 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["env"]:
-        for name, value in run_environment().items():
+        try:
+            environment = run_environment()
+        except BuildFolderError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for name, value in environment.items():
             print(f"export {name}={shlex.quote(value)}")
         return 0
     if argv[:1] == ["private"] and len(argv) > 1:

@@ -9,11 +9,13 @@
 - it gets SIGTERM, SIGINT or SIGHUP (what `Owned.stop()` sends);
 - the command exits by itself (whatever it left behind in the group goes too).
 
-Every group is recorded in `build/processes/<pgid>.json` with its owner's pid and start time (processes are
-read through psutil).
+Every group is recorded in `build/processes/<pgid>.json` with its leader's start time, its owner's pid and
+start time, and this user's uid (processes are read through psutil).
 `reap_orphans()` ends the groups whose owner is gone, and never one whose owner still runs (another
-learner's, another run's). The command's environment carries a nonce (`COURSE_PROCESS_NONCE`):
-`port_owned_by(port, nonce)` tells whether whoever listens on a port is really this group.
+learner's, another run's), nor one whose leader is not the recorded process of this user (pid, start time
+and uid must all match; a record that lacks any of them is forgotten without ending anything). The
+command's environment carries a nonce (`COURSE_PROCESS_NONCE`): `port_owned_by(port, nonce)` tells whether
+whoever listens on a port is really this group.
 """
 from __future__ import annotations
 
@@ -53,6 +55,14 @@ def alive(pid: int, started: float | None = None) -> bool:
     if now is None:
         return False
     return started is None or now == started
+
+
+def uid_of(pid: int) -> int | None:
+    """The real uid of process `pid`, or None when it does not exist or cannot be read."""
+    try:
+        return psutil.Process(pid).uids().real
+    except psutil.Error:
+        return None
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -132,7 +142,7 @@ class Owned:
         self.pgid = self.proc.pid
         self.record = records_dir() / f"{self.pgid}.json"
         state.write_json(self.record, {
-            "pgid": self.pgid, "guard_start": start_time(self.pgid), "owner_pid": os.getpid(),
+            "pgid": self.pgid, "guard_start": start_time(self.pgid), "uid": os.getuid(), "owner_pid": os.getpid(),
             "owner_start": start_time(os.getpid()), "command": self.cmd, "label": self.label,
             "log": str(self.log_path), "nonce": self.nonce, "created": time.time(), **self.extra})
         atexit.register(self.stop)
@@ -177,19 +187,39 @@ class Owned:
         return False
 
 
+_RECORD_FIELDS = {"pgid": int, "guard_start": (int, float), "uid": int, "owner_pid": int, "owner_start": (int, float)}
+
+
+def _complete(rec) -> bool:
+    """Whether a process record names its group's leader, its owner and its user well enough to act on it."""
+    if not isinstance(rec, dict):
+        return False
+    if any(isinstance(rec.get(k), bool) or not isinstance(rec.get(k), kind) for k, kind in _RECORD_FIELDS.items()):
+        return False
+    return rec["pgid"] > 1 and rec["owner_pid"] > 0 and rec["pgid"] != os.getpgrp()   # never killpg(0) or our own
+
+
+def _ours(rec: dict) -> bool:
+    """Whether the recorded group's leader still runs and is the very process recorded: same pid, same start
+    time, and this user's (a reused pid, another user's process, or a record of another user is not)."""
+    return (rec["uid"] == os.getuid() and start_time(rec["pgid"]) == rec["guard_start"]
+            and uid_of(rec["pgid"]) == rec["uid"])
+
+
 def reap_orphans(folder: Path | None = None, timeout: float = 10.0) -> list[dict]:
     """End the recorded groups whose owner is gone; returns their records. A group whose owner still
-    runs is left alone, whoever it belongs to."""
+    runs is left alone, whoever it belongs to; a group is ended only when its leader's pid, start time and
+    uid match the record, and a record lacking any of them is forgotten without ending anything."""
     folder = folder or records_dir()
     reaped = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         rec = state.read_json(path, None, what="process record", shape=dict)
-        if not isinstance(rec, dict) or "pgid" not in rec:
-            path.unlink(missing_ok=True)
+        if not _complete(rec):
+            path.unlink(missing_ok=True)     # nothing in it identifies a process surely: end nothing
             continue
-        if alive(rec["owner_pid"], rec.get("owner_start")):
+        if alive(rec["owner_pid"], rec["owner_start"]):
             continue
-        if alive(rec["pgid"], rec.get("guard_start")):
+        if _ours(rec):
             end_group(rec["pgid"], timeout)
             reaped.append(rec)
         path.unlink(missing_ok=True)     # an owner that is gone, and a group that is gone or was never ours

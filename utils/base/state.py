@@ -8,6 +8,7 @@ corrupt and what happens next (rebuilt, ignored): never a bare `JSONDecodeError`
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -23,26 +24,54 @@ class CorruptStateError(ValueError):
     """A state file exists but cannot be read; the message names it."""
 
 
+class StorageError(OSError):
+    """A file could not be written because its disk is full, over quota or read-only; the message names it."""
+
+
+_NO_ROOM = {errno.ENOSPC: "its disk is full", errno.EDQUOT: "your disk quota is used up",
+            errno.EROFS: "its file system is read-only"}
+
+
+@contextlib.contextmanager
+def storage_errors(path: str | Path):
+    """Turn a full disk, a used-up quota or a read-only file system met while writing `path` into a StorageError
+    that names it and what to do; any other OSError passes unchanged."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        what_to_do = ("set COURSE_BUILD_DIR to a writable folder elsewhere" if exc.errno == errno.EROFS else
+                      "free some space on it, or set COURSE_BUILD_DIR to a folder on another disk")
+        error = StorageError(f"cannot write {path}: {_NO_ROOM[exc.errno]} ({os.strerror(exc.errno)}); "
+                             f"{what_to_do}, and run again")
+        error.errno = exc.errno          # the message stays as written: no filename, which would reformat it
+        raise error from exc
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half).
     The file keeps its mode; a new one gets what `open()` gives (0644 under the usual umask: a generated lab must
     stay readable by the learners a hub copies it for; privacy is the folders' job)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)      # the umask applies, as for open()
-    try:
-        with os.fdopen(fd, "w") as f:
+    with storage_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)      # the umask applies, as for open()
+        try:
+            with os.fdopen(fd, "w") as f:
+                with contextlib.suppress(FileNotFoundError):
+                    os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+                os.unlink(tmp)
+            raise
     return path
 
 
@@ -78,8 +107,10 @@ def read_json(path: str | Path, default: Any = None, *, what: str = "state file"
 def locked(path: str | Path):
     """An exclusive lock on `path`.lock for a read-modify-write shared by several processes."""
     lock = Path(f"{path}.lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
+    with storage_errors(lock):
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock, "a")
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -1,6 +1,7 @@
 """The course harness: execute the solutions, generate the labs, keep their outputs and exports current.
 
     python -m utils.machinery.harness run [--device auto|cpu|gpu|cuda|rocm] [-p NAME VALUE ...] [NOTEBOOK ...]
+                                       (or -p NAME=VALUE; a VALUE such as -5 or -Infinity is a value)
     python -m utils.machinery.harness labs [--check]       labs/ from solutions/ (exercise regions -> stubs)
     python -m utils.machinery.harness outputs [LAB ...]    store the checked cells' outputs in solutions/ (CPU run)
     python -m utils.machinery.harness export               build/export/<lab>.py from the cells tagged `export`
@@ -18,6 +19,7 @@ declare goes to those, and a bad value names the parameter and what it allows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -32,7 +34,7 @@ import psutil
 
 from utils import exercises, params, solutions
 from utils.base import processes, state
-from utils.base.paths import UnsafePath, build_dir, private_dir, run_environment
+from utils.base.paths import BuildFolderError, UnsafePath, build_dir, private_dir, run_environment
 from utils.machinery import labs, parameters, report
 
 DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
@@ -104,8 +106,10 @@ def _lock_build(build: Path):
     overwrite this one's status and results) and says how to run beside it."""
     import fcntl
 
-    private_dir(build)      # this user's own, 0700; a link or another user's folder is refused by name
-    lock = open(build / "run.lock", "a+")
+    with state.storage_errors(build):
+        private_dir(build)      # this user's own, 0700; a link or another user's folder is refused by name
+    with state.storage_errors(build / "run.lock"):
+        lock = open(build / "run.lock", "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -114,10 +118,16 @@ def _lock_build(build: Path):
         lock.close()
         raise BuildBusy(f"{build} is in use by another `make run` ({holder}); wait for it to finish, or give "
                         f"this run its own folder: COURSE_BUILD_DIR=/some/other/build make run") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()}, started {now()}\n")
-    lock.flush()
+    try:
+        with state.storage_errors(build / "run.lock"):
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}, started {now()}\n")
+            lock.flush()
+    except BaseException:
+        with contextlib.suppress(OSError):      # closing flushes again, and fails again, on a full disk
+            lock.close()
+        raise
     return lock
 
 
@@ -305,13 +315,67 @@ def progress_table(run: bool = False) -> str:
 
 # --- command line ---------------------------------------------------------------------------------
 
+PARAMETER_FLAGS = ("-p", "--parameter")
+
+
+class UsageError(ValueError):
+    """A command line the harness cannot read; the message says what is wrong and the form it wants."""
+
+
+def split_parameters(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """`run`'s `-p NAME VALUE` and `-p NAME=VALUE` pairs taken out of `argv` before argparse reads the rest:
+    argparse takes a VALUE that starts with '-' (-Infinity, -5e3) for an option; here it stays a value, for the
+    parameter check to judge by name."""
+    if argv[:1] != ["run"]:
+        return list(argv), []
+    rest, pairs, i = ["run"], [], 1
+    while i < len(argv):
+        if argv[i] == "--":
+            rest += argv[i:]
+            break
+        if argv[i] not in PARAMETER_FLAGS:
+            rest.append(argv[i])
+            i += 1
+            continue
+        following = argv[i + 1:i + 3]
+        name, equals, value = following[0].partition("=") if following else ("", "", "")
+        if equals and name.isidentifier():                      # -p NAME=VALUE
+            pairs.append((name, value))
+            i += 2
+        elif len(following) == 2 and following[0].isidentifier():   # -p NAME VALUE
+            pairs.append((following[0], following[1]))
+            i += 3
+        else:
+            raise UsageError(f"{' '.join([argv[i], *following])} is not a parameter: write -p NAME VALUE or "
+                             "-p NAME=VALUE (e.g. -p REPS 5)")
+    return rest, pairs
+
+
+def notebook_problem(path: Path) -> str | None:
+    """None when `path` is a notebook the harness can run; otherwise what is wrong with it, in one line."""
+    if not path.exists():
+        return f"{path}: no such notebook"
+    if not path.is_file():
+        return f"{path} is not a notebook: it is a folder"
+    if path.suffix != ".ipynb":
+        return f"{path} is not a notebook: give the harness .ipynb files (e.g. solutions/00_environment.ipynb)"
+    try:
+        nbformat.validate(nbformat.read(path, as_version=4))
+    except Exception as exc:    # nbformat raises many kinds (JSON, Unicode, schema, type errors) for a broken file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"{path} is not a readable notebook ({type(exc).__name__}: {reason}); restore it (git checkout) or " \
+               "give the harness another .ipynb file"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m utils.machinery.harness", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute the solutions and build the report")
     run.add_argument("--device", default=os.environ.get("COURSE_DEVICE") or "auto")
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                     help="a parameter for the notebooks that declare it (VALUE is read as JSON if it parses)")
+                     help="a parameter for the notebooks that declare it, also as -p NAME=VALUE (VALUE is read as "
+                          "JSON if it parses; one that starts with '-', such as -5, is a value)")
     run.add_argument("--cell-timeout", type=float,
                      default=float(os.environ.get("COURSE_CELL_TIMEOUT") or DEFAULT_CELL_TIMEOUT),
                      help="seconds one cell may run before its lab fails (default %(default)s)")
@@ -323,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="write build/export/<lab>.py from the cells tagged 'export'")
     progress = sub.add_parser("progress", help="which exercises pass in labs/ on this machine")
     progress.add_argument("--run", action="store_true", help="execute the labs first")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, parameter_pairs = split_parameters(argv)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args = ap.parse_args(argv)
 
     if args.cmd == "labs":
@@ -346,15 +416,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     given = {}
-    for name, value in args.parameter:
+    for name, value in [*args.parameter, *parameter_pairs]:
         try:
             given[name] = json.loads(value)
         except json.JSONDecodeError:
             given[name] = value
     notebooks = [p.resolve() for p in args.notebooks] or solutions.solution_notebooks()
-    missing = [str(p) for p in notebooks if not p.is_file()]
-    if missing:
-        print(f"error: no such notebook: {', '.join(missing)}", file=sys.stderr)
+    problems = [problem for problem in map(notebook_problem, notebooks) if problem]
+    if problems:
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
         return 2
     if not (args.cell_timeout > 0 and args.cell_timeout < float("inf")):
         print(f"error: --cell-timeout={args.cell_timeout} must be a positive number of seconds", file=sys.stderr)
@@ -364,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     except params.ParameterError as err:
         print(f"ParameterError: {err}", file=sys.stderr)
         return 2
-    except (BuildBusy, UnsafePath) as err:
+    except (BuildBusy, UnsafePath, BuildFolderError, state.StorageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:

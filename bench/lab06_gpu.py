@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.base.paths import private_dir  # noqa: E402
 from utils.llm import models  # noqa: E402
 from utils.multigpu import launch, tp  # noqa: E402
 
@@ -66,11 +67,11 @@ def main() -> int:
     tp.free(dev)
 
     model = tp.TPLlama(a.model_dir, device=dev, dtype=dtype, max_len=tp.max_len_for(tokens, a.tokens))
-    port = launch.free_port()
+    store_dir = private_dir(launch.build_root() / "bench-store")   # a file store: no TCP store on every interface
     for comm in ("none", "nccl"):
         if comm == "nccl":
-            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                    device_id=dev)
+            dist.init_process_group("nccl", store=dist.FileStore(str(store_dir / f"store-{os.getpid()}"), 1),
+                                    rank=0, world_size=1, device_id=dev)
             model.comm = tp.Collectives(dist.group.WORLD)
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         for mode in ("eager", "graph"):

@@ -1,10 +1,17 @@
 """Lab 06: busbw formulas, topology parsing (NVIDIA and AMD fixtures), the tensor-parallel split against
-transformers (ranks as threads, then real torchrun ranks), the launcher (failure, hang, kill, two "nodes",
-nothing left behind) and the graders of exercises 6.1-6.4."""
+transformers (ranks as threads, then real ranks), the launcher (failure, hang, kill, no listener off the loopback
+interface, two "nodes" under torchrun, nothing left behind) and the graders of exercises 6.1-6.4."""
+import json
 import os
+import re
+import shutil
+import stat
+import subprocess
 import textwrap
 import threading
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -268,18 +275,37 @@ def test_profiler_names_of_collectives():
 # --- the launcher -----------------------------------------------------------------------------------------
 
 def nothing_left(run):
-    """No process of the run (found by its groups, and by the nonce in every rank's environment) and no
-    listener on its rendezvous port."""
+    """No process of the run (found by its groups, and by the nonce in every rank's environment), no listener
+    on its rendezvous port (torchrun's) and no file store left (one machine's)."""
     assert run.gone()
-    assert launch.processes_with_nonce(run.nonces) == [] and not launch.port_listening(run.port)
+    assert launch.processes_with_nonce(run.nonces) == []
+    assert run.port is None or not launch.port_listening(run.port)
+    assert run.store is None or not run.store.parent.exists()
     assert not any(processes.group_alive(g) for g in run.pgids)
     assert list(processes.records_dir().glob("*.json")) == []      # the course's records of them are gone too
 
 
 @pytest.fixture
 def scripts(tmp_path):
-    """A folder of tiny rank programs (no torch: they start fast), on the ranks' PYTHONPATH."""
+    """A folder of tiny rank programs (no torch but in sleepy_rank, which joins a gloo group: they start fast), on
+    the ranks' PYTHONPATH."""
     (tmp_path / "hang_rank.py").write_text("import time\ntime.sleep(600)\n")
+    (tmp_path / "sleepy_rank.py").write_text(textwrap.dedent("""
+        import json, os, sys, time
+        from pathlib import Path
+        import torch.distributed as dist
+        from utils.multigpu import collectives
+        collectives.init("gloo", timeout_s=60)
+        dist.barrier()
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_ERROR_FILE",
+                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "MASTER_PORT")
+        out = Path(sys.argv[sys.argv.index("--out") + 1])
+        (out / f"ready-{dist.get_rank()}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} joined", flush=True)
+        time.sleep(2)
+        dist.barrier()
+        dist.destroy_process_group()
+    """))
     (tmp_path / "killed_rank.py").write_text(textwrap.dedent("""
         import os, signal, time
         if os.environ["RANK"] == "1":
@@ -312,6 +338,52 @@ def test_a_killed_rank_without_an_error_file(build_dir, scripts):
         launch.torchrun("killed_rank", [], nproc=2, timeout=120, name="test-killed", env=scripts)
     assert "Signal 9" in str(err.value) or "SIGKILL" in str(err.value) or "exitcode" in str(err.value)
     nothing_left(err.value.run)
+
+
+def _listeners(pids):
+    """(address, pid) of the TCP sockets listening in processes `pids`: psutil's view of each process, and where
+    iproute2's `ss` is installed, what `ss -ltnpH` shows of them too (the same sockets, seen from outside)."""
+    seen = {(f"[{c.laddr.ip}]" if ":" in c.laddr.ip else c.laddr.ip) + f":{c.laddr.port}"
+            for pid in pids for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    found = [(address, None) for address in sorted(seen)]
+    if shutil.which("ss") is None:
+        print("`ss` (iproute2) is not installed: the listening sockets were read through psutil only")
+        return found
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+        found += [(line.split()[3], pid) for pid in map(int, re.findall(r"pid=(\d+)", line)) if pid in pids]
+    return found
+
+
+def test_one_machine_ranks_listen_on_no_network_address(build_dir, scripts):
+    """While two gloo ranks run (started by the course, no torchrun), every socket they listen on is on the
+    loopback interface: the rendezvous is a file store in a 0700 folder, removed afterwards."""
+    with launch.start_ranks("sleepy_rank", [], nproc=2, name="test-listen", env=scripts) as ranks:
+        run = ranks.run
+        assert stat.S_IMODE(run.store.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(run.store.parent.parent.stat().st_mode) == 0o700
+        ready = [run.out_dir / f"ready-{r}.json" for r in range(2)]
+        deadline = time.monotonic() + 90
+        while not all(p.exists() for p in ready) and time.monotonic() < deadline and None in ranks.poll():
+            time.sleep(0.1)
+        assert all(p.exists() for p in ready), launch.processes_log_tail(run.log)
+        pids = set(launch.processes_with_nonce(run.nonces))
+        assert len(pids) >= 4                                  # a guard and a rank per rank
+        listening = _listeners(pids)
+        assert listening, "gloo's ranks listen for their peers (on the loopback interface)"
+        off_loopback = [(a, p) for a, p in listening if not a.startswith(("127.0.0.1:", "[::1]:"))]
+        assert off_loopback == [], f"listening off the loopback interface: {off_loopback}"
+        run = ranks.wait(timeout=120)
+    envs = [json.loads(p.read_text()) for p in ready]
+    for r, e in enumerate(envs):
+        ranks_env = (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"])
+        assert ranks_env == (str(r), str(r), "2", "2", "0")
+        assert e["TORCHELASTIC_ERROR_FILE"] == str(run.log_dir / "attempt_0" / str(r) / "error.json")
+        sockets = (e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"], e["NCCL_NVLS_ENABLE"], e["MASTER_PORT"])
+        assert sockets == ("lo", "lo", "0", None)         # the loopback interface, NVLS off, no TCP store's port
+    log = run.log.read_text()
+    assert "[rank0]: rank 0 of 2 joined" in log and "[rank1]: rank 1 of 2 joined" in log
+    assert run.returncodes == [0, 0] and run.port is None
+    nothing_left(run)
 
 
 def test_two_nodes_on_one_machine(build_dir):

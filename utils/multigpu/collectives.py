@@ -5,9 +5,10 @@ size of the whole buffer (all_gather: the gathered output; reduce_scatter: the i
 rank's buffer) and the factor makes busbw comparable with the link's peak whatever the rank count n:
 all_reduce 2(n-1)/n, all_gather, reduce_scatter and all_to_all (n-1)/n, broadcast 1.
 
-The measurement runs on every rank, started by torchrun (`python -m utils.multigpu.collectives ...`, see
-`utils.multigpu.launch`): per size, one checked call, `warmup` calls, then `iters` calls timed by the host clock
-between two device synchronisations, averaged over the ranks, as nccl-tests does.
+The measurement runs on every rank (`python -m utils.multigpu.collectives ...`), started by the course's
+launcher on one machine or by torchrun on several (`utils.multigpu.launch`): per size, one checked call,
+`warmup` calls, then `iters` calls timed by the host clock between two device synchronisations, averaged
+over the ranks, as nccl-tests does.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import warnings
 from pathlib import Path
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+# The file store through which the ranks of one machine meet (set by `utils.multigpu.launch.start_ranks`);
+# without it, `init` joins the group torchrun set up (env://, its TCP store).
+RENDEZVOUS_FILE_VAR = "COURSE_RENDEZVOUS_FILE"
 
 
 def bus_factor(collective: str, n: int) -> float:
@@ -122,7 +126,11 @@ def measure(collective: str, nbytes: int, *, iters: int, warmup: int, device) ->
 
 
 def init(backend: str | None = None, timeout_s: float = 600.0):
-    """Join the process group torchrun set up (NCCL/RCCL on GPUs, gloo on CPUs); returns the device.
+    """Join the ranks' process group (NCCL/RCCL on GPUs, gloo on CPUs); returns the device.
+
+    Through the file store named by RENDEZVOUS_FILE_VAR when the course's launcher started the ranks on one
+    machine (no socket: torch's TCP store would listen on every interface), else through the env://
+    rendezvous torchrun set up (MASTER_ADDR, MASTER_PORT), as on a cluster.
 
     The group's timeout is long on purpose: a rank may wait in a collective while its peer still compiles
     (torch.compile of an 8B model takes a minute or more); the launcher's own limit ends a hang sooner."""
@@ -140,8 +148,12 @@ def init(backend: str | None = None, timeout_s: float = 600.0):
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if gpu else "gloo"),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        how = {"timeout": datetime.timedelta(seconds=timeout_s)}
+        store_file = os.environ.get(RENDEZVOUS_FILE_VAR)
+        if store_file:
+            world = int(os.environ["WORLD_SIZE"])
+            how.update(store=dist.FileStore(store_file, world), rank=int(os.environ["RANK"]), world_size=world)
+        dist.init_process_group(backend or ("nccl" if gpu else "gloo"), **how)
     return device
 
 

@@ -1,20 +1,34 @@
-"""Lab 06's ranks: torchrun under `utils.base.processes.Owned`, on 127.0.0.1, NVLink multicast off, errors shown.
+"""Lab 06's ranks: started by the course under `utils.base.processes.Owned`, NVLink multicast off, errors shown.
 
     run = launch.torchrun("utils.multigpu.collectives", ["--sizes", "1024"], nproc=2, timeout=120, name="collectives")
     run.result()          # what rank 0 wrote to run.out_dir/result.json
 
-`torchrun()` starts `python -m torch.distributed.run` (one agent per "node"; two agents on this machine
-for `nnodes=2`) with the c10d rendezvous on a free port of 127.0.0.1, in a process group the course owns:
-the group ends when the call returns, when it times out, or when the notebook's kernel dies. A rank that
-raises ends the whole group (torchrun stops the others) and `RankFailed` shows that rank's own traceback,
-read from the error file torchrun's `@record` wrote, not the launcher's. Every rank's environment turns
-NVLink multicast (NVLS) off.
+On one machine (`nnodes=1`, every run of the lab but one) `torchrun()` starts the ranks itself
+(`run_ranks`): one process per rank, each in a process group the course owns, with the environment
+torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, ...) and a file store for the rendezvous, in a
+private (0700) folder of the build directory, removed when the run ends. No rank listens on a network
+address: torch's TCP store (which torchrun's c10d rendezvous and `init_method="env://"` use) listens on
+every interface of the machine, whatever address it is given (`ss -ltn` shows `*:PORT`), where any other
+machine of the network could reach it; the ranks' own connections (gloo, NCCL's bootstrap) use the
+loopback interface.
+
+For several "nodes" (`nnodes=2`: two agents on this machine, the course's demonstration of a cluster)
+`torchrun()` runs `python -m torch.distributed.run` once per node (`torchrun_agents`), with the c10d
+rendezvous on a free port of 127.0.0.1: its store listens on every interface while the run lasts, so the
+demonstration is kept short.
+
+Either way the processes end when the call returns, when it times out, or when the notebook's kernel
+dies. A rank that raises ends the whole run (the others are stopped) and `RankFailed` shows that rank's
+own traceback, read from the error file torchrun's `@record` wrote (TORCHELASTIC_ERROR_FILE), not the
+launcher's. Every rank's environment turns NVLink multicast (NVLS) off.
 """
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import shutil
+import signal
 import socket
 import sys
 import time
@@ -25,7 +39,8 @@ from pathlib import Path
 import psutil
 
 from utils.base import processes
-from utils.base.paths import LOOPBACK, build_dir, free_port
+from utils.base.paths import LOOPBACK, build_dir, free_port, private_dir
+from utils.multigpu.collectives import RENDEZVOUS_FILE_VAR
 
 # NVLink SHARP / multicast (NVLS): on NVSwitch systems, NCCL, PyTorch's symmetric memory and NVSHMEM can
 # let the switch itself combine and replicate data. It reserves switch and driver resources shared by every
@@ -92,11 +107,13 @@ class RankTimeout(RankFailed):
 @dataclass
 class Run:
     name: str
-    command: list[list[str]]
-    log: Path                      # the agents' output (with every rank's, teed)
-    log_dir: Path                  # torchrun's per-rank logs and error files
+    command: list[list[str]]       # one command per rank (one machine) or per torchrun agent (several nodes)
+    log: Path                      # every rank's output, each line prefixed [rankN]: (or the agents' output)
+    log_dir: Path                  # the per-rank logs and error files (<log_dir>/attempt_0/<rank>/, as torchrun)
     out_dir: Path                  # where the ranks write their results (--out)
-    port: int
+    port: int | None = None        # torchrun's c10d rendezvous port (several nodes); None on one machine
+    store: Path | None = None      # the file store of a one-machine run, in a private folder removed at its end
+    nodes: int = 1
     pgids: list[int] = field(default_factory=list)
     nonces: list[str] = field(default_factory=list)   # in every process's environment (utils.base.processes)
     seconds: float = 0.0
@@ -107,9 +124,10 @@ class Run:
 
     def gone(self) -> bool:
         """Whether every process of the run has ended (its process groups, and any process that carries
-        its nonce) and its rendezvous port is closed."""
+        its nonce), its rendezvous port is closed and its file store's folder removed."""
         return (not any(processes.group_alive(g) for g in self.pgids) and not processes_with_nonce(self.nonces)
-                and not port_listening(self.port))
+                and (self.port is None or not port_listening(self.port))
+                and (self.store is None or not self.store.parent.exists()))
 
     def command_line(self, i: int = 0) -> str:
         return shlex.join(self.command[i])
@@ -155,7 +173,7 @@ def failure(run: Run, code: int | None) -> RankFailed:
     firsts = [e for e in errors if not _secondary(e["message"])] or errors
     if firsts:
         e = firsts[0]
-        who = f"rank {e['local_rank']}" if len(run.command) == 1 else f"node {e['node']}, local rank {e['local_rank']}"
+        who = f"rank {e['local_rank']}" if run.nodes == 1 else f"node {e['node']}, local rank {e['local_rank']}"
         return RankFailed(f"{who} of the run '{run.name}' failed: {e['message']}", rank=e["local_rank"],
                           error=e["message"], traceback=e["traceback"], log=run.log)
     return RankFailed(f"the run '{run.name}' failed (exit code {code}) and no rank left an error file; "
@@ -173,15 +191,211 @@ def build_root() -> Path:
     return build_dir() / "lab06"
 
 
+def _stamp(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
 def torchrun(target: str, args=(), *, nproc: int, timeout: float, name: str, nnodes: int = 1,
              env: dict | None = None, python: str | None = None) -> Run:
     """Run `python -m target args... --out DIR` on `nnodes` x `nproc` ranks and wait for it.
 
+    One machine (`nnodes=1`): the course starts the ranks itself, with a file-store rendezvous
+    (`run_ranks`: no TCP listener). Several "nodes": real torchrun agents with the c10d rendezvous
+    (`torchrun_agents`: its store listens on every interface while the run lasts).
     Raises `RankFailed` (with the first failing rank's traceback) or `RankTimeout`; either way, and on
     success, no process of the run is left. The ranks' results are in `run.out_dir`."""
     if nnodes < 1 or nproc < 1:
         raise ValueError(f"nnodes={nnodes} and nproc={nproc} must be at least 1")
-    stamp = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if nnodes == 1:
+        return run_ranks(target, args, nproc=nproc, timeout=timeout, name=name, env=env, python=python)
+    return torchrun_agents(target, args, nproc=nproc, nnodes=nnodes, timeout=timeout, name=name, env=env,
+                           python=python)
+
+
+def run_ranks(target: str, args=(), *, nproc: int, timeout: float, name: str, env: dict | None = None,
+              python: str | None = None) -> Run:
+    """`python -m target args... --out DIR` on `nproc` ranks of this machine, started by the course (no
+    torchrun, no TCP store); waits for them. Raises as `torchrun()` does."""
+    return start_ranks(target, args, nproc=nproc, name=name, env=env, python=python).wait(timeout)
+
+
+def start_ranks(target: str, args=(), *, nproc: int, name: str, env: dict | None = None,
+                python: str | None = None) -> "Ranks":
+    """Start `nproc` ranks of `python -m target args... --out DIR` on this machine and return at once
+    (`.wait(timeout)` waits for them and returns the `Run`; leaving a `with` block ends them).
+
+    Each rank is a process of its own under `utils.base.processes.Owned`, with the environment torchrun
+    would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, GROUP_WORLD_SIZE=1, the
+    error file of `@record` at <log_dir>/attempt_0/<rank>/error.json) plus `rank_env()`'s, and the path
+    of a file store in a private (0700) folder in RENDEZVOUS_FILE_VAR: `collectives.init` joins the group
+    through it, so the rendezvous opens no socket at all."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} must be at least 1")
+    stamp = _stamp(name)
+    root = build_root()
+    out_dir, log_dir = root / "runs" / stamp, root / "logs" / stamp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = private_dir(private_dir(root / "rendezvous") / stamp) / "store"
+    cmd = [python or sys.executable, "-m", target, *map(str, args), "--out", str(out_dir)]
+    run = Run(name=name, command=[list(cmd) for _ in range(nproc)], log=root / "logs" / f"{stamp}.log",
+              log_dir=log_dir, out_dir=out_dir, store=store)
+    base = rank_env(env)
+    for inherited in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        base.pop(inherited, None)        # nothing here may fall back to a TCP store
+    if nproc > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")     # as torchrun does: the ranks share the machine's cores
+    owned = []
+    for rank in range(nproc):
+        rank_dir = log_dir / "attempt_0" / str(rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        rank_environment = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                                ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                                TORCHELASTIC_ERROR_FILE=str(rank_dir / "error.json"))
+        rank_environment[RENDEZVOUS_FILE_VAR] = str(store)
+        owned.append(processes.Owned(cmd, log_path=rank_dir / "output.log", env=rank_environment,
+                                     label=f"rank {rank} of {name}", stop_timeout=10))
+    return Ranks(run, owned).start()
+
+
+def _how_it_ended(code: int | None) -> str:
+    """An exit code in words (the guard exits with 128 + N when its command was killed by signal N)."""
+    if code is not None and code > 128:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name}, Signal {code - 128})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class Ranks:
+    """The ranks of one run on this machine, started by `start_ranks`. `wait(timeout)` returns the `Run`
+    once every rank has ended with 0, or ends them all and raises `RankFailed` / `RankTimeout`."""
+
+    def __init__(self, run: Run, owned: list[processes.Owned]):
+        self.run, self.owned = run, owned
+        self._offsets, self._partial = [0] * len(owned), [b""] * len(owned)
+        self._started = time.monotonic()
+        self._stopped = False
+
+    def start(self) -> "Ranks":
+        self.run.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.run.log, "w") as log:
+            log.write(f"[launch]: {len(self.owned)} rank(s) of the run '{self.run.name}' on this machine, "
+                      f"rendezvous through the file store {self.run.store}\n")
+        self._started = time.monotonic()
+        try:
+            for rank in self.owned:
+                rank.start()
+                self.run.pgids.append(rank.pgid)
+                self.run.nonces.append(rank.nonce)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _note(self, line: str) -> None:
+        with open(self.run.log, "a") as log:
+            log.write(f"[launch]: {line}\n")
+
+    def _merge(self, final: bool = False) -> None:
+        """Append what each rank wrote since the last call to the run's log, each line prefixed [rankN]:
+        once (torch.distributed already prefixes the lines of a rank's traceback so)."""
+        out = []
+        for i, rank in enumerate(self.owned):
+            try:
+                with open(rank.log_path, "rb") as f:
+                    f.seek(self._offsets[i])
+                    data = f.read()
+            except OSError:
+                continue
+            self._offsets[i] += len(data)
+            lines = (self._partial[i] + data).split(b"\n")
+            self._partial[i] = lines.pop()
+            if final and self._partial[i]:
+                lines.append(self._partial[i])
+                self._partial[i] = b""
+            prefix = f"[rank{i}]:"
+            out += [(text if text.startswith(prefix) else f"{prefix} {text}") + "\n"
+                    for text in (line.decode(errors="replace") for line in lines)]
+        if out:
+            with open(self.run.log, "a") as log:
+                log.writelines(out)
+
+    def poll(self) -> list[int | None]:
+        """Each rank's exit code, None while it runs."""
+        return [rank.poll() for rank in self.owned]
+
+    def stop(self) -> None:
+        """End every rank (SIGTERM to all their groups at once, then each in turn), merge their output
+        into the run's log and remove the file store's folder; safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for rank in self.owned:
+            if rank.pgid is not None and rank.poll() is None:
+                try:
+                    os.killpg(rank.pgid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for rank in self.owned:
+            rank.stop()
+        self.run.returncodes = [rank.returncode for rank in self.owned]
+        self.run.seconds = time.monotonic() - self._started
+        self._merge(final=True)
+        if self.run.store is not None:
+            shutil.rmtree(self.run.store.parent, ignore_errors=True)
+
+    def wait(self, timeout: float) -> Run:
+        """Wait until every rank has ended (at most `timeout` s from the start); see the class."""
+        first = None                        # (rank, exit code) of the first rank that failed
+        try:
+            while True:
+                self._merge()
+                codes = self.poll()
+                first = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+                if first is not None:
+                    self._note(f"rank {first[0]} ended with {_how_it_ended(first[1])}; ending the other ranks")
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() - self._started > timeout:
+                    self._note(f"not finished in {timeout:.0f} s; ending every rank")
+                    self.stop()
+                    timed_out = RankTimeout(f"the run '{self.run.name}' did not finish in {timeout:.0f} s; every "
+                                            f"rank was ended. The end of its log:\n{processes_log_tail(self.run.log)}",
+                                            log=self.run.log)
+                    timed_out.run = self.run
+                    raise timed_out
+                time.sleep(0.1)
+        finally:
+            self.stop()
+        if first is not None:
+            failed = failure(self.run, first[1])
+            failed.run = self.run
+            raise failed
+        return self.run
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+
+def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: str, nnodes: int,
+                    env: dict | None = None, python: str | None = None) -> Run:
+    """`python -m target args... --out DIR` on `nnodes` x `nproc` ranks under real torchrun agents (one per
+    "node", all on this machine, the first hosting the rendezvous) with the c10d rendezvous on 127.0.0.1.
+
+    Only for the demonstration of several nodes: torch's TCP store, which the c10d rendezvous runs in the
+    first agent, listens on every interface of the machine whatever address it is given (`ss -ltn` shows
+    `*:PORT`), so other machines of the network can reach it while the run lasts; keep such runs short.
+    One machine's runs go through `run_ranks` (a file store, no listener). Raises as `torchrun()` does."""
+    if nnodes < 1 or nproc < 1:
+        raise ValueError(f"nnodes={nnodes} and nproc={nproc} must be at least 1")
+    stamp = _stamp(name)
     root = build_root()
     out_dir, log_dir = root / "runs" / stamp, root / "logs" / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +407,7 @@ def torchrun(target: str, args=(), *, nproc: int, timeout: float, name: str, nno
                              is_host=(i == 0) if nnodes > 1 else None, python=python)
             for i in range(nnodes)]
     run = Run(name=name, command=cmds, log=root / "logs" / f"{stamp}.log", log_dir=log_dir, out_dir=out_dir,
-              port=port)
+              port=port, nodes=nnodes)
     agents = [processes.Owned(cmd, log_path=run.log.with_suffix(f".node{i}.log") if nnodes > 1 else run.log,
                               env=rank_environment, label=f"torchrun {name} node {i}", stop_timeout=10)
               for i, cmd in enumerate(cmds)]

@@ -12,7 +12,7 @@ So one generated token costs 2 x layers all-reduces of `hidden` numbers and one 
 reads only its shard of each weight from the safetensors files (`safe_open(...).get_slice`), keeps a
 static KV cache in buffers updated with `index_copy_`, and takes one step with no host synchronisation,
 so `decode_step` can be compiled and captured in a CUDA/HIP graph together with its collectives
-(`make_step(model, "graph")`). `python -m utils.multigpu.tp` is the program every rank runs under torchrun.
+(`make_step(model, "graph")`). `python -m utils.multigpu.tp` is the program every rank runs (`utils.multigpu.launch`).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import ROOT
@@ -209,45 +210,97 @@ def test_a_server_that_is_not_ours_never_counts_as_healthy(tmp_path, monkeypatch
         impostor.wait()
 
 
-def raw_chat(server, prompt, max_tokens=8):
-    """A request sent around the course's client (no validation), as a careless script would."""
-    import json
+def raw_chat(server, prompt="Hi", max_tokens=8, *, key=True, path="/chat/completions", **fields):
+    """A request sent around the course's client (no validation), as a careless script or another local user
+    would: (HTTP status, body)."""
     import urllib.error
     import urllib.request
 
     body = json.dumps({"model": server.served_name, "messages": [{"role": "user", "content": prompt}],
-                       "max_tokens": max_tokens}).encode()
-    request = urllib.request.Request(server.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
+                       "max_tokens": max_tokens, **fields}).encode()
+    request = urllib.request.Request(server.base_url + path, body,
+                                     {"Content-Type": "application/json", **(server.headers if key else {})})
     try:
         with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status
+            return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
-        return err.code
+        return err.code, err.read().decode(errors="replace")
 
 
 @needs_server
-def test_long_prompts_are_refused_and_a_wedged_engine_is_reported_then_restarted(smollm2, tmp_path):
-    with serving.Server(ENGINE, smollm2, device="cpu", log_path=tmp_path / "serve.log",
-                        restart_wedged=True) as server:
+def test_raw_requests_are_refused_by_the_server_itself_and_the_next_one_is_served(smollm2, tmp_path):
+    """transformers serve checks nothing: before utils.llm.guard, one raw over-long prompt (or max_tokens beyond
+    its cache with the end-of-sequence stop off) killed its batching worker and every later request got 503."""
+    with serving.Server(ENGINE, smollm2, device="cpu", log_path=tmp_path / "serve.log") as server:
         long_prompt = "word " * 2100
         with pytest.raises(serving.RequestRejected, match=r"the prompt takes 2,1\d\d tokens .* > the 2,048 tokens"):
             serving.chat(server, long_prompt, max_tokens=8)
         with pytest.raises(serving.RequestRejected, match="max_tokens=0 must be"):
             serving.chat(server, "Hi", max_tokens=0)
+        assert raw_chat(server, key=False)[0] == 401                     # another user: no key, no service
+        status, said = raw_chat(server, long_prompt)
+        assert status == 400 and "the prompt takes 2,1" in said
+        pinned = json.dumps({"eos_token_id": -1})
+        status, said = raw_chat(server, max_tokens=5000, generation_config=pinned)
+        assert status == 400 and "max_tokens=5,000" in said
+        status, said = raw_chat(server, max_tokens=None, generation_config=json.dumps({"max_new_tokens": 10**6}))
+        assert status == 400 and "not max_new_tokens" in said
+        assert raw_chat(server, "x" * 300_000)[0] == 413
+        assert raw_chat(server, path="/../load_model")[0] == 404
+        assert raw_chat(server, max_tokens=4, generation_config=pinned)[0] == 200
         assert "paris" in serving.chat(server, "What is the capital of France?", max_tokens=8).text.lower()
-        # the same prompt sent around the client kills transformers' batching worker: /health stays OK
-        assert raw_chat(server, long_prompt) >= 500     # 503 (or 500 on a loaded machine): the worker died
-        with pytest.raises(serving.ServerError, match="is wedged: .*one-token generation failed"):
-            server.probe()
-        first_pgid = server.pgid
-        server.check()                                  # restart_wedged: a new engine, working again
-        assert server.pgid != first_pgid and not serving.group_alive(first_pgid)
-        assert serving.chat(server, "Hi", max_tokens=4).output_tokens > 0
+        assert server.wedged() is None and server.restarts == []
+        engine = next(iter(processes.listener_pids(server.port)))
+        assert server.api_key not in " ".join(psutil.Process(engine).cmdline())   # world-readable in /proc
         pgid = server.pgid
         os.killpg(pgid, signal.SIGKILL)                 # the engine dies under the client
         time.sleep(0.5)
         with pytest.raises(serving.ServerError, match=r"the lab 05 server \(transformers\) exited \(code -9\)"):
             serving.chat(server, "Hi", max_tokens=4)
+
+
+WEDGING_ENGINE = """import http.server, json, os, sys
+wedged = False
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        global wedged
+        if os.path.exists(sys.argv[1]):      # one process wedges for good; its successor starts healthy
+            os.unlink(sys.argv[1]); wedged = True
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"choices": [{"message": {"content": "x"}}]}).encode()
+        self.send_response(503 if wedged else 200); self.send_header("Content-Type", "application/json")
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H).serve_forever()
+"""
+
+
+def test_the_watchdog_restarts_a_wedged_engine_within_seconds_and_says_so(tmp_path, capsys):
+    script, marker = tmp_path / "wedging.py", tmp_path / "wedge-now"
+    script.write_text(WEDGING_ENGINE)
+
+    class Wedging(serving.Engine):
+        def command(self, model, *, host, port, device, served_name):
+            return [sys.executable, str(script), str(marker), str(port)]
+
+        def context_limit(self, device, model=None):
+            return 2048
+
+    with serving.Server(Wedging("transformers", sys.executable), tmp_path, log_path=tmp_path / "log",
+                        watch_every=0.3) as server:
+        first = server.pgid
+        marker.write_text("")                           # the next request wedges this engine
+        deadline = time.monotonic() + 15
+        while not server.restarts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.restarts and "is wedged: HTTP 503" in server.restarts[0]
+        assert server.pgid != first and not serving.group_alive(first) and server.wedged() is None
+        pgid = server.pgid
+    assert not serving.group_alive(pgid)
+    assert "WARNING: the lab 05 server (transformers) is wedged: HTTP 503; restarting it" in capsys.readouterr().out
 
 
 LAB05_LIKE = """

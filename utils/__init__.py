@@ -18,8 +18,9 @@ The kit (what a lab's notebook imports):
     stack       the software stack, and how to install what is missing
 
 Lab families:
-    llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, loadgen
-    multigpu/   lab 06: topology, collectives, launch (torchrun ranks), tp (tensor parallelism)
+    llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of
+                transformers serve), loadgen
+    multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), tp (tensor parallelism)
     clinic/     lab 07: doctor, divergence, faults, traces
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):

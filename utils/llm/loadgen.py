@@ -355,7 +355,7 @@ def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request]
     levels = []
     for i, load in enumerate(tqdm(list(loads), desc=f"{mode} sweep", disable=not progress)):
         drain = drain_s if drain_s is not None else max(30.0, 2 * duration_s)
-        coro = _client_level(server.base_url, server.served_name, max_tokens, extra, mode, load, requests,
+        coro = _client_level(server.base_url, server.served_name, max_tokens, extra, mode, load, requests, server.headers,
                              duration_s=duration_s, warmup_s=warmup_s, seed=seed + i, burstiness=burstiness,
                              max_concurrency=max_concurrency, drain_s=drain)
         streams, window = server.run_client(coro)
@@ -370,11 +370,11 @@ def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request]
 
 # ---- the streaming client (OpenAI-compatible chat completions) -------------------------------------
 
-def _client():
+def _client(headers: dict | None = None):
     import aiohttp
 
-    # no cap on connections (an open loop may have many requests in flight), long reads
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    # no cap on connections (an open loop may have many requests in flight), long reads; the server's key
+    return aiohttp.ClientSession(headers=headers or {}, connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600))
 
 
@@ -413,16 +413,17 @@ async def stream_chat(session, base_url: str, model: str, stream: Stream, max_to
         raise RuntimeError("the server streamed no text")
 
 
-async def _client_level(base_url, model, max_tokens, extra, mode, load, requests, **kw):
-    async with _client() as client:
+async def _client_level(base_url, model, max_tokens, extra, mode, load, requests, headers=None, **kw):
+    async with _client(headers) as client:
         return await run_level(lambda s: stream_chat(client, base_url, model, s, max_tokens, extra), mode, load,
                                requests, **kw)
 
 
-async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, extra_body=None) -> Stream:
-    """One streamed chat completion (errors propagate)."""
+async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, extra_body=None,
+                      headers: dict | None = None) -> Stream:
+    """One streamed chat completion (errors propagate); ``headers``: the server's key."""
     s = Stream(Request(prompt, 0), scheduled=time.perf_counter())
-    async with _client() as client:
+    async with _client(headers) as client:
         s.scheduled = time.perf_counter()
         await stream_chat(client, base_url, model, s, max_tokens, extra_body)
     return s
@@ -447,7 +448,7 @@ result = asyncio.run(benchmark(
     input_requests=requests, logprobs=None, request_rate=cfg["request_rate"], burstiness=1.0, disable_tqdm=True,
     num_warmups=cfg["warmups"], profile=False, selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
     selected_percentiles=[50.0, 90.0, 99.0], ignore_eos=False, goodput_config_dict={},
-    max_concurrency=cfg["concurrency"], lora_modules=None, extra_headers=None, extra_body=cfg["extra_body"]))
+    max_concurrency=cfg["concurrency"], lora_modules=None, extra_headers=cfg["headers"], extra_body=cfg["extra_body"]))
 print("RESULT " + json.dumps({k: v for k, v in result.items() if isinstance(v, (int, float)) or k == "errors"}))
 """
 
@@ -478,7 +479,7 @@ def vllm_benchmark(server, requests: Sequence[Request], *, concurrency: int, max
     cfg = {"base_url": server.base_url, "model": server.served_name, "tokenizer": str(server.model),
            "requests": [[r.prompt, r.prompt_tokens] for r in requests], "max_tokens": max_tokens,
            "concurrency": concurrency, "warmups": warmups, "request_rate": request_rate,
-           "extra_body": server.engine.pinned_length(max_tokens)}
+           "extra_body": server.engine.pinned_length(max_tokens), "headers": server.headers}
     run = subprocess.run([python, "-c", _VLLM_BENCH, json.dumps(cfg)], capture_output=True, text=True,
                          timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     line = next((x for x in run.stdout.splitlines()[::-1] if x.startswith("RESULT ")), None)

@@ -16,8 +16,9 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import shutil
+import secrets
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from utils.base import processes
 from utils.base.paths import free_port, port_open
-from utils.llm import loadgen
+from utils.llm import guard, loadgen
 
 ENGINES = ("vllm", "transformers")
 # The engines' per-request limits, as the commands below set them up (see Engine.context_limit).
@@ -55,7 +56,9 @@ class Engine:
                    "--served-model-name", served_name, "--host", host, "--port", str(port),
                    "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
             return cmd + (["--enforce-eager"] if device == "cpu" else [])
-        cmd = [self.executable, "serve", str(model), "--host", host, "--port", str(port),
+        # transformers serve checks no request itself: utils.llm.guard runs it with the limits in front
+        cmd = [self.executable, "-m", "utils.llm.guard", "--context-limit", str(self.context_limit(device, model)),
+               "--model", str(model), "--", "serve", str(model), "--host", host, "--port", str(port),
                "--continuous-batching", "--log-level", "info"]
         if device == "cpu":
             # The default paged cache is sized from free memory (11 GB for 16 requests on a
@@ -82,7 +85,7 @@ class Engine:
             return f"--max-model-len {VLLM_MAX_MODEL_LEN}"
         if device == "cpu":
             return (f"its paged cache of {CPU_CB_BLOCKS} blocks of {CPU_CB_BLOCK_SIZE} tokens; a longer request "
-                    "kills transformers' batching worker, after which every request gets 503")
+                    "would kill transformers' batching worker, so utils.llm.guard refuses it in the server too")
         return f"the course's limit for transformers serve on a GPU, {GPU_CONTEXT_LIMIT} tokens"
 
     def weight_bytes_per_param(self, device: str) -> int:
@@ -100,8 +103,15 @@ class Engine:
             return {"ignore_eos": True, "min_tokens": max_tokens}
         return {"generation_config": json.dumps({"eos_token_id": -1})}
 
-    def environment(self, device: str) -> dict[str, str]:
+    def environment(self, device: str, api_key: str | None = None) -> dict[str, str]:
+        """The engine's environment: offline, unbuffered, and this run's key (``api_key``) where the engine (vLLM)
+        or its guard (transformers) reads it: in the environment, which only this user can read, never on the
+        command line, which every local user can."""
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.pop("VLLM_API_KEY", None)
+        env.pop(guard.KEY_VAR, None)
+        if api_key:
+            env["VLLM_API_KEY" if self.name == "vllm" else guard.KEY_VAR] = api_key
         if self.name == "vllm" and device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
         if self.name == "transformers":
@@ -122,7 +132,6 @@ def find_engine(prefer: str = "auto") -> Engine | None:
 
     if prefer not in ("auto", *ENGINES):
         raise ValueError(f"unknown engine {prefer!r}; choose auto, {', '.join(ENGINES)}")
-    here = Path(sys.executable).parent
     if prefer in ("auto", "vllm"):
         exe = os.environ.get("COURSE_VLLM_PYTHON") or (
             sys.executable if importlib.util.find_spec("vllm") else None)
@@ -130,9 +139,9 @@ def find_engine(prefer: str = "auto") -> Engine | None:
             return Engine("vllm", exe)
         if prefer == "vllm":
             return None
-    exe = shutil.which("transformers", path=str(here)) or shutil.which("transformers")
-    if exe and all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "openai")):
-        return Engine("transformers", exe)
+    # transformers serve runs in this Python, behind utils.llm.guard (python -m utils.llm.guard ... -- serve ...)
+    if all(importlib.util.find_spec(m) for m in ("transformers", "fastapi", "uvicorn", "openai")):
+        return Engine("transformers", sys.executable)
     return None
 
 
@@ -157,12 +166,18 @@ class Server:
     (a stale server of another run is never measured), and a real one-token generation succeeds.
     ``check()`` repeats that probe later and raises ``ServerError`` for a dead or wedged engine
     (``restart_wedged=True`` restarts it once instead).
+
+    Other local users can reach 127.0.0.1 too, so every request needs this run's key (``api_key``, made for this
+    Server, sent as ``Authorization: Bearer``), and the engine itself refuses what it cannot hold (vLLM by its own
+    limits; transformers serve through ``utils.llm.guard``). Should an engine still wedge, the watchdog
+    (``watch_every`` seconds, a real one-token generation) restarts it within seconds, prints a WARNING and
+    lists it in ``restarts``.
     """
 
     def __init__(self, engine: Engine, model: str | Path, *, log_path: str | Path,
                  device: str = "cpu", host: str = "127.0.0.1", port: int | None = None,
                  served_name: str | None = None, startup_timeout: float = 600,
-                 stop_timeout: float = 20, restart_wedged: bool = False):
+                 stop_timeout: float = 20, restart_wedged: bool = False, watch_every: float | None = 5.0):
         self.engine, self.model, self.device, self.host = engine, Path(model).resolve(), device, host
         self.port, self.fixed_port = port, port is not None
         self.log_path = Path(log_path)
@@ -175,6 +190,17 @@ class Server:
         self.pgid: int | None = None
         self.context_limit = engine.context_limit(device, self.model)
         self._tokenizer = None
+        self.api_key = secrets.token_urlsafe(24)   # this server's key, kept across the watchdog's restarts
+        self.watch_every = watch_every
+        self.restarts: list[str] = []          # why the watchdog restarted the engine, one line each
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._lifecycle = threading.RLock()    # start/stop from the notebook and from the watchdog
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to this server carries: this run's key."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def base_url(self) -> str:
@@ -194,6 +220,14 @@ class Server:
         return False
 
     def start(self) -> None:
+        with self._lifecycle:
+            self._start()
+        if self.watch_every and self._watcher is None:
+            self._watch_stop.clear()
+            self._watcher = threading.Thread(target=self._watch, name="lab05-server-watchdog", daemon=True)
+            self._watcher.start()
+
+    def _start(self) -> None:
         if self.fixed_port and port_open(self.port, self.host):
             pids = processes.listener_pids(self.port)
             raise ServerError(f"port {self.port} is already in use"
@@ -204,7 +238,7 @@ class Server:
         cmd = self.engine.command(self.model, host=self.host, port=self.port, device=self.device,
                                   served_name=self.served_name)
         start = time.perf_counter()
-        self.owned = processes.Owned(cmd, log_path=self.log_path, env=self.engine.environment(self.device),
+        self.owned = processes.Owned(cmd, log_path=self.log_path, env=self.engine.environment(self.device, self.api_key),
                                      stop_timeout=self.stop_timeout, label=f"{self.engine.name} server",
                                      extra={"port": self.port}).start()
         self.pgid = self.owned.pgid
@@ -212,7 +246,7 @@ class Server:
             self._wait_healthy()
             self.probe(timeout=max(60.0, self.startup_timeout / 4))
         except BaseException:
-            self.stop()
+            self._stop_engine()
             raise
         self.startup_s = time.perf_counter() - start
 
@@ -244,7 +278,7 @@ class Server:
         body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
                            "max_tokens": 1, "temperature": 0, "stream": False}).encode()
         request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
-                                         {"Content-Type": "application/json"})
+                                         {"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(request, timeout=timeout) as r:
                 json.loads(r.read())
@@ -266,14 +300,61 @@ class Server:
         except ServerError as err:
             if not self.restart_wedged or "wedged" not in str(err):
                 raise
-            print(f"WARNING: {str(err).splitlines()[0]}; restarting it")
-            self.stop()
-            self.start()
+            self._restart(str(err).splitlines()[0])
+
+    def _restart(self, why: str) -> None:
+        print(f"WARNING: {why}; restarting it", flush=True)
+        with self._lifecycle:
+            self._stop_engine()
+            self._start()
+        self.restarts.append(why)
+
+    def wedged(self, timeout: float = 30.0) -> str | None:
+        """Why the engine is wedged (its process runs, but a one-token generation gets an HTTP 5xx or no
+        connection), or None: it answers, or it is only slow (a busy engine under a load test is not wedged)."""
+        if self.owned is None or self.owned.poll() is not None:
+            return None
+        body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
+                           "max_tokens": 1, "temperature": 0, "stream": False}).encode()
+        request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
+                                         {"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                r.read()
+            return None
+        except urllib.error.HTTPError as err:
+            return f"the lab 05 server ({self.engine.name}) is wedged: HTTP {err.code}" if err.code >= 500 else None
+        except (ConnectionRefusedError, ConnectionResetError) as err:
+            return f"the lab 05 server ({self.engine.name}) is wedged: {type(err).__name__}"
+        except (urllib.error.URLError, TimeoutError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            if isinstance(reason, (ConnectionRefusedError, ConnectionResetError)):
+                return f"the lab 05 server ({self.engine.name}) is wedged: {type(reason).__name__}"
+            return None
+
+    def _watch(self) -> None:
+        """The watchdog: every ``watch_every`` seconds, a wedged engine is restarted (a dead one is left for
+        the next request to report with its log)."""
+        while not self._watch_stop.wait(self.watch_every):
+            try:
+                why = self.wedged()
+                if why and not self._watch_stop.is_set():
+                    self._restart(why)
+            except Exception as exc:      # never let the watchdog die silently: say why, keep watching
+                print(f"WARNING: the lab 05 server's watchdog: {type(exc).__name__}: {exc}", flush=True)
 
     def stop(self) -> None:
-        """End the server's process group; safe to call more than once."""
-        if self.owned is not None:
-            self.owned.stop()
+        """End the watchdog and the server's process group; safe to call more than once."""
+        self._watch_stop.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=60)
+        self._stop_engine()
+
+    def _stop_engine(self) -> None:
+        with self._lifecycle:
+            if self.owned is not None:
+                self.owned.stop()
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -348,7 +429,8 @@ def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
     """One streamed chat completion (refused with RequestRejected if the server cannot hold it). The load
     tests are in ``utils.llm.loadgen``."""
     server.validate(prompt, max_tokens)
-    s = server.run_client(loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens))
+    s = server.run_client(loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens,
+                                              headers=server.headers))
     n = s.output_tokens or sum(k for _, k in loadgen.count_chunk_tokens(s.chunks, server.tokenizer()))
     m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.last_token, n)
     return RequestResult(ttft_s=m["ttft"], latency_s=m["e2e"], output_tokens=n, itl_s=m["itl"], text=s.text)

@@ -275,13 +275,8 @@ class Server:
         alone says OK while a dead batching worker answers every request with 503)."""
         if self.owned is None or self.owned.poll() is not None:
             raise self._dead_error()
-        body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
-                           "max_tokens": 1, "temperature": 0, "stream": False}).encode()
-        request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
-                                         {"Content-Type": "application/json", **self.headers})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as r:
-                json.loads(r.read())
+            json.loads(self._one_token(timeout))
             return
         except urllib.error.HTTPError as err:
             reason = f"HTTP {err.code}: {err.read()[:300].decode(errors='replace')}"
@@ -309,18 +304,22 @@ class Server:
             self._start()
         self.restarts.append(why)
 
+    def _one_token(self, timeout: float) -> bytes:
+        """A one-token chat completion with this server's key: the answer's bytes (HTTP errors raise)."""
+        body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
+                           "max_tokens": 1, "temperature": 0, "stream": False}).encode()
+        request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
+                                         {"Content-Type": "application/json", **self.headers})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.read()
+
     def wedged(self, timeout: float = 30.0) -> str | None:
         """Why the engine is wedged (its process runs, but a one-token generation gets an HTTP 5xx or no
         connection), or None: it answers, or it is only slow (a busy engine under a load test is not wedged)."""
         if self.owned is None or self.owned.poll() is not None:
             return None
-        body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
-                           "max_tokens": 1, "temperature": 0, "stream": False}).encode()
-        request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
-                                         {"Content-Type": "application/json", **self.headers})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as r:
-                r.read()
+            self._one_token(timeout)
             return None
         except urllib.error.HTTPError as err:
             return f"the lab 05 server ({self.engine.name}) is wedged: HTTP {err.code}" if err.code >= 500 else None

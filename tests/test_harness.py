@@ -16,7 +16,11 @@ from utils.base import processes
 from utils.machinery import harness
 
 
-def write_nb(path, *cells, parameters='DEVICE = "auto"'):
+DEVICE_LINE = 'DEVICE = "auto"  # choice auto|cpu|gpu|cuda|rocm: where it runs'
+REPS_LINE = "REPS = None  # count up to 10000: timed repetitions"
+
+
+def write_nb(path, *cells, parameters=DEVICE_LINE):
     nb = new_notebook(cells=[new_code_cell(parameters, metadata={"tags": ["parameters"]})]
                       + [new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -61,7 +65,7 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
 
 def test_parameters_are_passed_as_json_to_the_notebooks_that_declare_them(tmp_path, build_dir, capsys):
     a = write_nb(tmp_path / "30_params.ipynb", "assert DEVICE == 'cpu' and REPS == 8, (DEVICE, REPS)",
-                 parameters='DEVICE = "auto"\nREPS = 1')
+                 parameters=f"{DEVICE_LINE}\nREPS = 1  # count: repetitions")
     b = write_nb(tmp_path / "31_other.ipynb", "assert 'REPS' not in globals()")
     assert harness.main(["run", "--device", "cpu", "-p", "REPS", "8", str(a), str(b)]) == 0
     assert "REPS applies to 30_params only" in capsys.readouterr().out
@@ -79,7 +83,8 @@ def test_parameters_are_passed_as_json_to_the_notebooks_that_declare_them(tmp_pa
 ])
 def test_bad_parameters_stop_the_run_before_anything_runs(tmp_path, build_dir, capsys, name, value, message):
     nb = write_nb(tmp_path / "40_p.ipynb", "open('ran', 'w').write('1')",
-                  parameters='DEVICE = "auto"\nREPS = None\nWARMUP_MS = 100\nSEQ_LENS = None')
+                  parameters="\n".join([DEVICE_LINE, REPS_LINE, "WARMUP_MS = 100  # milliseconds up to 60000: warm-up",
+                                         "SEQ_LENS = None  # counts: sequence lengths"]))
     args = ["run", "--device", "cpu", "-p", name, value, str(nb)] if name != "DEVICE" else \
         ["run", "--device", value, str(nb)]
     assert harness.main(args) == 2
@@ -172,7 +177,7 @@ def test_a_value_that_starts_with_a_dash_reaches_the_parameter_check(tmp_path, b
                                                                     form):
     """argparse takes `-Infinity` for an option ("expected 2 arguments"): the harness reads `-p NAME VALUE` itself,
     so the value is refused by the parameter's name."""
-    nb = write_nb(tmp_path / "45_p.ipynb", "open('ran', 'w').write('1')", parameters='DEVICE = "auto"\nREPS = None')
+    nb = write_nb(tmp_path / "45_p.ipynb", "open('ran', 'w').write('1')", parameters=f"{DEVICE_LINE}\n{REPS_LINE}")
     pair = ["-p", "REPS", value] if form == "-p NAME VALUE" else ["-p", f"REPS={value}"]
     assert harness.main(["run", "--device", "cpu", *pair, str(nb)]) == 2
     err = capsys.readouterr().err

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from utils import course
 from utils.llm import loadgen
 from utils.llm.loadgen import Request, Stream, request_metrics
 
@@ -90,9 +91,7 @@ def test_arrivals_are_seeded_at_the_rate_with_the_asked_burstiness():
 
 def test_the_labs_arrival_kinds():
     """ARRIVALS of lab 05: its allowed names are loadgen's, and each gives its spread of gaps."""
-    from utils.machinery import parameters
-
-    assert set(parameters.SPECS["ARRIVALS"].allowed) == set(loadgen.BURSTINESS)
+    assert set(course.declared("05")["ARRIVALS"].allowed) == set(loadgen.BURSTINESS)
     spread = {k: cv(loadgen.arrival_times(50, 200, burstiness=b, seed=3)) for k, b in loadgen.BURSTINESS.items()}
     assert spread["constant"] == pytest.approx(0, abs=1e-6)
     assert spread["poisson"] == pytest.approx(1, abs=0.05)

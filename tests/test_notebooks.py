@@ -12,10 +12,10 @@ import pytest
 
 from conftest import ROOT, notebook_device
 from grading import errors, run_notebook, stream_text
-from utils import record, solutions
+from utils import params, record, solutions
 from utils.exercises import is_exercise_stub_error
 from utils.params import ParameterError
-from utils.machinery import harness, labs, parameters
+from utils.machinery import harness, labs
 from utils.solutions import STUB
 
 SOLUTIONS = solutions.solution_notebooks()
@@ -88,9 +88,9 @@ def test_one_parameters_cell_every_parameter_known(solution):
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
     assert 'DEVICE = "auto"' in tagged[0].source
-    for name, default in harness.declared_parameters(solution).items():
-        assert name in parameters.SPECS, f"{name} is not in utils.machinery.parameters.SPECS: the harness cannot check it"
-        parameters.validate(name, default)
+    declared = harness.declarations(solution)      # every line declares its kind and what it is (or raises)
+    assert declared["DEVICE"].allowed == params.DEVICE_CHOICES
+    assert all(d.help for d in declared.values())
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
@@ -146,6 +146,19 @@ def test_bad_parameter_stops_at_the_parameters_check_with_one_line(tmp_path, bui
     assert [o.traceback for o in failed] == [["ParameterError: MATMUL_N=-5 must be a positive whole number (> 0)"]]
 
 
+@pytest.mark.parametrize("given, says", [
+    ({"REP": 5}, "REP is not a parameter of this lab (did you mean REPS?)"),
+    ({"REPS": 10**9}, "REPS=1000000000 must be a positive whole number <= 10,000"),
+], ids=["unknown name", "over the maximum"])
+def test_papermill_gets_the_labs_own_limits_in_its_first_cell(tmp_path, build_dir, given, says):
+    """papermill passes any name and value; the lab's first cell after the parameters refuses them by name."""
+    import papermill as pm
+
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        run_notebook(SOLUTIONS[0], tmp_path, {"DEVICE": "cpu", **given})
+    assert err.value.ename == "ParameterError" and err.value.evalue.startswith(says)
+
+
 def test_stub_errors_are_recognised_and_others_are_not():
     raised = "exercise not done: replace this line with your code, then re-run the cell"
     assert is_exercise_stub_error("NotImplementedError", raised)
@@ -169,7 +182,7 @@ def test_every_parameter_rejects_a_bad_value_by_name_in_the_check_cell(solution,
     for name in harness.declared_parameters(solution):
         if name == "DEVICE":
             continue
-        bad = BAD_VALUE[parameters.SPECS[name].kind]
+        bad = BAD_VALUE[harness.declarations(solution)[name].kind]
         scope = {}
         with monkeypatch.context() as m:
             m.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))

@@ -1,5 +1,6 @@
 """utils.params: bad notebook parameters stop with one clear line."""
 import dataclasses
+import re
 
 import pytest
 
@@ -82,3 +83,78 @@ def test_non_negative_rejects(value):
 
 def test_non_negative_accepts():
     assert params.non_negative("W", 0) == 0.0 and params.non_negative("W", 2.5) == 2.5
+
+
+# --- one declaration per parameter: the parameters cell, read the same way on every path in -------------
+
+CELL = '''# Parameters
+DEVICE = "auto"      # choice auto|cpu|gpu|cuda|rocm: where the lab runs
+REPS = None          # count up to 10000: timed repetitions; None: 30 on a GPU
+SIZES = None         # counts up to 2**20: sizes of the sweep
+WARMUP_MS = 100      # milliseconds up to 60000: untimed warm-up
+'''
+
+
+def test_a_parameters_cell_declares_kind_limit_and_help():
+    declared = params.declarations(CELL)
+    assert list(declared) == ["DEVICE", "REPS", "SIZES", "WARMUP_MS"]
+    assert declared["REPS"].maximum == 10_000 and declared["SIZES"].maximum == 2**20
+    assert declared["DEVICE"].allowed == ("auto", "cpu", "gpu", "cuda", "rocm") and not declared["DEVICE"].none_ok
+    assert declared["REPS"].none_ok and declared["REPS"].help.startswith("timed repetitions")
+    assert declared["REPS"].check(1e3) == 1000 and declared["REPS"].check(None) is None
+
+
+@pytest.mark.parametrize("line, says", [
+    ("REPS = None", "line 1: not `NAME = default  # kind"),
+    ("REPS = None  # how many", "line 1: not `NAME = default  # kind"),
+    ("REPS = None  # number: how many", "a kind from choice, count"),
+    ("REPS = None  # count < 5: how many", "the limit must read `up to N`"),
+    ("MODE = 'a'  # choice: which", "a choice lists what it allows"),
+    ("REPS = 0  # count: how many", "REPS=0 must be a positive whole number"),
+])
+def test_a_parameter_without_a_proper_declaration_is_named(line, says):
+    with pytest.raises((ValueError, ParameterError), match=re.escape(says)):
+        params.declarations(line)
+
+
+BAD = [("REPS", 10**9, "REPS=1000000000 must be a positive whole number <= 10,000"),
+       ("REPS", float("nan"), "REPS=nan must be a positive whole number, not nan"),
+       ("REPS", float("-inf"), "REPS=-inf must be a positive whole number, not -inf"),
+       ("REPS", -3, "REPS=-3 must be a positive whole number (> 0)"),
+       ("REPS", "30", "REPS='30' must be a positive whole number"),
+       ("SIZES", 64, "SIZES=64 must be a non-empty list"),
+       ("DEVICE", "tpu", "DEVICE='tpu' is not allowed; use one of 'auto'"),
+       ("WARMUP_MS", float("inf"), "WARMUP_MS=inf must be a number >= 0")]
+
+
+@pytest.mark.parametrize("name, value, says", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_the_same_bad_value_is_refused_alike_by_the_harness_and_in_the_notebook(name, value, says, tmp_path,
+                                                                                monkeypatch):
+    """The harness (`make run -p`) and `course.start` in the kernel (papermill, JupyterLab) read one declaration."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from utils import course
+    from utils.machinery import harness
+
+    notebook = tmp_path / "99_lab.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell(CELL, metadata={"tags": ["parameters"]})]), notebook)
+    with pytest.raises(ParameterError, match=re.escape(says)):
+        harness.plan_parameters([notebook], {name: value})
+    monkeypatch.setattr(course, "declared", lambda lab: params.declarations(CELL))
+    scope = {"DEVICE": "cpu", "REPS": None, "SIZES": None, "WARMUP_MS": 100, name: value}
+    with pytest.raises(ParameterError, match=re.escape(says)):
+        course.check_parameters("99_lab", scope)
+
+
+def test_a_name_papermill_injected_that_the_lab_does_not_declare_is_refused_with_the_nearest(monkeypatch):
+    from utils import course
+
+    monkeypatch.setattr(course, "declared", lambda lab: params.declarations(CELL))
+    scope = {"DEVICE": "cpu", "REPS": None, "SIZES": None, "WARMUP_MS": 100, "REP": 5, "VECTOR_KERNEL": "x",
+             "In": ["", CELL, "# Parameters\nDEVICE = \"cpu\"\nREP = 5\n", "dev, rec, ex = course.start(...)"]}
+    with pytest.raises(ParameterError, match=r"REP is not a parameter of this lab \(did you mean REPS\?\)"):
+        course.check_parameters("99_lab", scope)
+    scope["In"] = ["", CELL, "VECTOR_KERNEL = 'x'"]     # a learner's own constant, run before: not a parameter
+    course.check_parameters("99_lab", scope)
+    assert scope["REPS"] is None

@@ -321,7 +321,7 @@ def test_no_server_outlives_a_killed_run_or_kernel(smollm2, tmp_path, fault):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
 
-    nb = new_notebook(cells=[new_code_cell('DEVICE = "auto"', metadata={"tags": ["parameters"]}),
+    nb = new_notebook(cells=[new_code_cell('DEVICE = "auto"  # choice auto|cpu: where it runs', metadata={"tags": ["parameters"]}),
                              new_code_cell(LAB05_LIKE)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "05_like.ipynb"

@@ -4,10 +4,11 @@ machinery -> lab families -> kit -> base. Import the module you need (`from util
 imports nothing.
 
 The kit (what a lab's notebook imports):
+    course      a lab's one setup call: its parameters checked, the device, the report, the grader
     backend     a GPU vendor as one record: its words (wavefront/warp, CU/SM), torch module, compiler targets
     device      which device the course runs on and its published peaks (utils/data/gpu_specs.toml)
     timing      benchmark(): device events on a GPU, perf_counter on the CPU, with spread
-    params      checks for the values of a notebook's `parameters` cell (ParameterError)
+    params      a parameter declared once, on its line of the `parameters` cell, and its checks
     record      a lab's headline figures and plots, recorded for the report (results/<lab>.json)
     exercises   the exercises' contract: grade, NOT DONE, PASS, hints, the reference answer
     solutions   the solution notebooks as code: exercise regions, stubs, exported modules (load())
@@ -24,7 +25,7 @@ Lab families:
     clinic/     lab 07: doctor, divergence, faults, traces
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):
-    machinery/  harness, labs, parameters, report, executed, preflight, workspace (a hub learner's folder)
+    machinery/  harness, labs, report, executed, preflight, workspace (a hub learner's folder)
 
 The floor (imports nothing else of the course):
     base/       paths (files, build folder, course.env, ports), state (safe state files), processes

@@ -1,14 +1,27 @@
-"""Checks for the values in a notebook's `parameters` cell.
+"""A notebook's parameters: declared once, in its `parameters` cell, and checked the same way on every path in.
 
-A bad value stops the notebook at the cell that checks it with one line that names the parameter
-and what is allowed, not with a deep traceback: `ParameterError` tells IPython to print only its
-message (`_render_traceback_`), and papermill still reports the cell as failed.
+Each line of the cell declares one parameter: its default, its kind and limit, and what it is for,
+
+    REPS = None          # count up to 10000: timed repetitions; None: 50 on a GPU, 10 on a CPU
+    DEVICE = "auto"      # choice auto|cpu|gpu|cuda|rocm: where the lab runs
+
+(kinds: ``choice a|b|c``, ``count``, ``counts`` (a list), ``pair``, ``milliseconds``; ``up to N`` a maximum (papermill's own reader
+takes these lines too); ``None`` is
+allowed where it is the default). `declarations` reads them; the harness checks ``-p NAME VALUE`` against them
+before anything runs, and ``utils.course.start`` checks the values the lab got (from papermill, the harness or an
+edit in JupyterLab) against the same lines. A bad value stops the notebook with one line that names the parameter
+and what is allowed, not with a deep traceback: `ParameterError` tells IPython to print only its message
+(`_render_traceback_`), and papermill still reports the cell as failed.
 """
 from __future__ import annotations
 
+import ast
+import difflib
 import math
 import numbers
 import os
+import re
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from utils import backend
@@ -121,5 +134,88 @@ def size_list(name: str, value, *, device, cpu: list[int], gpu: list[int],
     return [size(name, v, device=device, cpu=1, gpu=1, bytes_needed=bytes_needed) for v in values]
 
 
-# A notebook's DEVICE (the harness's table of every lab's parameters is utils/machinery/parameters.py).
+# A notebook's DEVICE.
 DEVICE_CHOICES = backend.DEVICE_CHOICES
+
+
+# --- declarations: the parameters cell, read ------------------------------------------------------
+
+KINDS = ("choice", "count", "counts", "milliseconds", "pair")
+_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*)\s*=\s*(?P<default>[^#]+?)\s*#\s*(?P<kind>[a-z]+)(?P<limit>[^:]*):\s*"
+                   r"(?P<help>.+)$")
+_MAXIMUM = re.compile(r"^up to\s+(?P<base>[\d_]+)(\s*\*\*\s*(?P<exp>\d+))?$")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One line of a parameters cell: a parameter's default, kind, limit and help."""
+    name: str
+    default: object
+    kind: str
+    help: str
+    allowed: tuple = ()              # choice
+    maximum: int | None = None
+
+    @property
+    def none_ok(self) -> bool:       # None means "chosen by the device" where it is the default
+        return self.default is None
+
+    def check(self, value):
+        """The value, normalised (1e6 -> 1000000), or ParameterError naming the parameter and what it allows."""
+        name = self.name
+        if value is None and self.none_ok:
+            return None
+        if self.kind == "choice":
+            return choice(name, value, self.allowed)
+        if self.kind == "count":
+            return positive_int(name, value, self.maximum)
+        if self.kind == "counts":
+            return int_list(name, value, self.maximum)
+        if self.kind == "milliseconds":
+            return milliseconds(name, value, self.maximum or 60_000)
+        return pair(name, value, self.maximum)
+
+    def describe(self) -> str:
+        text = {"choice": "one of " + ", ".join(map(repr, self.allowed)),
+                "count": "a positive whole number", "counts": "a list of positive whole numbers",
+                "milliseconds": "milliseconds >= 0", "pair": "a pair of positive whole numbers"}[self.kind]
+        if self.maximum is not None and self.kind != "choice":
+            text += f" (at most {self.maximum:,})"
+        return text + (", or None (chosen by device)" if self.none_ok else "")
+
+
+def declarations(source: str, where: str = "the parameters cell") -> dict[str, Declared]:
+    """{name: Declared} of a parameters cell's source. A line that assigns a parameter without a declaration
+    comment (`# kind[ up to N]: help`) is an error naming the line: every parameter says what it takes."""
+    found = {}
+    for number, line in enumerate(source.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        m = _LINE.match(stripped)
+        if not m or m.group("kind") not in KINDS:
+            raise ValueError(f"{where}, line {number}: not `NAME = default  # kind[ up to N]: what it is` with a kind "
+                             f"from {', '.join(KINDS)}: {stripped!r}")
+        limit, kind = m.group("limit").strip(), m.group("kind")
+        allowed, maximum = (), None
+        if kind == "choice":
+            allowed = tuple(a.strip() for a in limit.split("|") if a.strip())
+            if not allowed:
+                raise ValueError(f"{where}, line {number}: a choice lists what it allows: `choice a|b|c: ...`")
+        elif limit:
+            mm = _MAXIMUM.match(limit)
+            if not mm:
+                raise ValueError(f"{where}, line {number}: the limit must read `up to N` or `up to 2**K`, not {limit!r}")
+            maximum = int(mm.group("base").replace("_", "")) ** int(mm.group("exp") or 1)
+        default = ast.literal_eval(m.group("default").strip())
+        declared = Declared(m.group("name"), default, kind, m.group("help").strip(), allowed, maximum)
+        declared.check(default)      # a default the declaration itself refuses is the author's mistake
+        found[declared.name] = declared
+    return found
+
+
+def unknown_message(name: str, known, where: str = "this lab") -> str:
+    """An unknown parameter, with the nearest known one."""
+    near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return (f"{name} is not a parameter of {where}" + (f" (did you mean {near[0]}?)" if near else "")
+            + f"; the parameters declared: {', '.join(sorted(known))}")

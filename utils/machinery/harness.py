@@ -32,10 +32,10 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from utils import exercises, params, solutions
+from utils import course, exercises, params, solutions
 from utils.base import processes, state
 from utils.base.paths import BuildFolderError, UnsafePath, build_dir, private_dir, run_environment
-from utils.machinery import labs, parameters, report
+from utils.machinery import labs, report
 
 DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
@@ -57,37 +57,32 @@ def now() -> str:
 
 # --- parameters ----------------------------------------------------------------------------------
 
+def declarations(notebook: Path) -> dict[str, params.Declared]:
+    """The parameters a notebook declares in its `parameters` cell (`utils.params.declarations`)."""
+    return params.declarations(course.parameters_cell(notebook), where=f"{Path(notebook).name}'s parameters cell")
+
+
 def declared_parameters(notebook: Path) -> dict[str, object]:
-    """{name: default value} of the notebook's `parameters` cell (papermill reads it; the defaults are
-    literals)."""
-    import ast
-
-    import papermill as pm
-
-    found = {}
-    for name, p in pm.inspect_notebook(str(notebook)).items():
-        try:
-            found[name] = ast.literal_eval(p["default"])
-        except (ValueError, SyntaxError):
-            found[name] = p["default"]
-    return found
+    """{name: default value} of the notebook's `parameters` cell."""
+    return {name: d.default for name, d in declarations(notebook).items()}
 
 
 def plan_parameters(notebooks: list[Path], given: dict) -> tuple[dict[Path, dict], list[str]]:
-    """Check `given` against the notebooks' parameters cells and the course's specs (ParameterError on
-    an unknown name or a bad value); returns each notebook's own parameters and lines for the log."""
-    declared = {nb: set(declared_parameters(nb)) for nb in notebooks}
+    """Check `given` against the notebooks' own declarations (ParameterError on an unknown name, with the nearest
+    one, or on a value a notebook's declaration refuses); returns each notebook's parameters and lines for the log."""
+    declared = {nb: declarations(nb) for nb in notebooks}
     known = set().union(*declared.values()) if declared else set()
     log = []
-    checked = {}
+    plan = {nb: {} for nb in notebooks}
     for name, value in given.items():
         if name not in known:
-            raise params.ParameterError(parameters.unknown_message(name, known))
-        checked[name] = parameters.validate(name, value)
-        takers = [nb.stem for nb in notebooks if name in declared[nb]]
+            raise params.ParameterError(params.unknown_message(name, known, "the selected notebooks"))
+        takers = [nb for nb in notebooks if name in declared[nb]]
+        for nb in takers:
+            plan[nb][name] = declared[nb][name].check(value)
         if len(takers) < len(notebooks):
-            log.append(f"{name} applies to {', '.join(takers)} only (the other notebooks do not declare it)")
-    plan = {nb: {k: v for k, v in checked.items() if k in declared[nb]} for nb in notebooks}
+            log.append(f"{name} applies to {', '.join(nb.stem for nb in takers)} only (the other notebooks do not "
+                       "declare it)")
     return plan, log
 
 

@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # Jupyter's runtime files (make lab's token) and the compiled helpers live there.
 dirs:
 	@$(PY) -m utils.base.paths private $(COURSE_BUILD_DIR) $(COURSE_BUILD_DIR)/cache $(COURSE_BUILD_DIR)/cache/jupyter \
-	  $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR) $(TRITON_CACHE_DIR) \
+	  $(IPYTHONDIR) $(MPLCONFIGDIR) $(JUPYTER_CONFIG_DIR) $(JUPYTER_DATA_DIR) $(JUPYTER_RUNTIME_DIR) $(TRITON_CACHE_DIR) $(TORCHINDUCTOR_CACHE_DIR) $(TORCH_EXTENSIONS_DIR) \
 	  $(HF_HOME)
 
 run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, write build/report.md

@@ -352,3 +352,79 @@ def test_no_server_outlives_a_killed_run_or_kernel(smollm2, tmp_path, fault):
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
+
+
+RECORDING_IMPOSTOR = """import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        open(sys.argv[1], 'a').write('GET ' + self.path + ' ' + str(self.headers.get('Authorization')) + '\\n')
+        self.send_response(200); self.end_headers()
+    do_POST = do_GET
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def test_a_port_taken_by_another_process_is_never_sent_the_key_or_a_prompt(tmp_path, monkeypatch):
+    """A second-user probe watched for the engine's --port, bound it first, and received the victim's key and
+    prompt. Now the server only talks to the process that carries its nonce; one this user cannot see (another
+    user's) counts as not ours."""
+    with serving.Server(fake_engine(tmp_path), tmp_path, log_path=tmp_path / "log", watch_every=None) as server:
+        port, heard = server.port, tmp_path / "heard"
+        os.killpg(server.pgid, signal.SIGKILL)                 # the engine dies; an impostor takes its port
+        deadline = time.monotonic() + 10
+        while serving.port_open(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        impostor = subprocess.Popen([sys.executable, "-c", RECORDING_IMPOSTOR, str(heard), str(port)],
+                                    start_new_session=True)
+        try:
+            while not serving.port_open(port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not server.ours() and server.wedged() is None      # dead engine: reported by the next request
+            monkeypatch.setattr(processes, "listener_pids", lambda p: set())   # as another user's listener looks
+            assert processes.port_owned_by(port, server.owned.nonce) is False
+            secret = loadgen.one_request(server.base_url, server.served_name, "my secret question", 4,
+                                         headers=server.headers)
+            with pytest.raises(serving.ServerError, match="exited"):
+                server.run_client(secret)                      # what chat() and the load tests send through
+            with pytest.raises(serving.ServerError):
+                server.probe()
+        finally:
+            impostor.kill()
+            impostor.wait()
+    assert not heard.exists() or "Bearer" not in heard.read_text()
+
+
+def test_the_guard_refuses_json_nested_past_pythons_stack_and_raises_the_open_file_limit():
+    import asyncio
+    import resource
+
+    from utils.llm import guard
+
+    sent = []
+
+    async def app(scope, receive, send):
+        raise AssertionError("nothing may reach the engine")
+
+    async def send(message):
+        sent.append(message)
+
+    body = b"[" * 200_000 + b"]" * 200_000
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive():
+        return next(messages)
+
+    g = guard.Guard(app, guard.Limits(2048, tokenizer=None), key="k" * 24, max_body=1 << 20)
+    scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST",
+             "headers": [(b"authorization", b"Bearer " + b"k" * 24)]}
+    asyncio.run(g(scope, receive, send))
+    assert sent[0]["status"] == 400 and b"not JSON this server reads" in sent[1]["body"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+        guard.open_files_as_allowed()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -347,3 +347,39 @@ def test_a_sidecar_of_the_wrong_shape_is_left_out_by_name(tmp_path):
     (tmp_path / "01_vector_add.json").write_text('"just a string"')
     with pytest.warns(UserWarning, match="results sidecar .*01_vector_add.json is corrupt"):
         assert record.load_results(tmp_path) == {}
+
+
+# --- caches and the build folder, also outside make (found by a second-user probe) --------------------------
+
+def test_every_cache_the_labs_use_is_inside_the_private_build_folder(tmp_path, monkeypatch):
+    """torch.compile's cache was /tmp/torchinductor_$USER: another user made it first (0777), planted a compiled
+    module, and the victim's next torch.compile ran it. Every cache is now inside the build folder (0700)."""
+    build = tmp_path / "build"
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(build))
+    env = paths.run_environment(keep_existing=False)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR", "HF_HOME", "IPYTHONDIR",
+                 "MPLCONFIGDIR", "JUPYTER_RUNTIME_DIR"):
+        assert Path(env[name]).is_relative_to(build), name
+    assert stat.S_IMODE(os.stat(build).st_mode) == 0o700         # build_dir() made it private on the way
+
+
+def test_the_build_folder_is_private_whoever_asks_first(tmp_path, monkeypatch):
+    """A lab's code called outside make (a learner's script) made build/ 0755 before; now build_dir() makes it."""
+    build = tmp_path / "checkout" / "build"
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(build))
+    assert paths.build_dir() == build and stat.S_IMODE(os.stat(build).st_mode) == 0o700
+    build.chmod(0o755)
+    paths.results_dir()
+    assert stat.S_IMODE(os.stat(build).st_mode) == 0o700
+
+
+def test_a_lab_started_outside_make_gets_the_course_caches(tmp_path, monkeypatch):
+    from utils import course
+
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(course, "check_parameters", lambda lab, scope: None)
+    monkeypatch.setattr(course.devices, "detect", lambda d: types.SimpleNamespace(is_gpu=True))
+    monkeypatch.setattr(course.record, "start", lambda lab, dev: None)
+    course.start("00_environment", {"DEVICE": "cpu"})
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "build" / "cache" / "torchinductor")

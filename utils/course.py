@@ -4,7 +4,8 @@
 
 `start` reads the lab's `parameters` cell (the one declaration of each parameter: `utils.params.declarations`), so
 the same value is refused the same way whether it came from the harness, from papermill or from an edit in
-JupyterLab. It refuses a name papermill injected that the lab does not declare (with the nearest one), picks the
+JupyterLab. It refuses a name papermill injected that the lab does not declare (with the nearest one), sets the
+course's run environment where the kernel lacks it (course.env: its caches in the private build folder), picks the
 device, switches Triton to its interpreter on a CPU before Triton is imported, and starts the lab's recorder
 (`utils.record`) and grader (`utils.exercises`).
 """
@@ -18,7 +19,7 @@ import nbformat
 
 from utils import device as devices
 from utils import exercises, params, record, solutions
-from utils.base.paths import LABS_DIR
+from utils.base.paths import LABS_DIR, run_environment
 
 _PARAMETER_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 PAPERMILL_HEADER = "# Parameters"     # the first line of the cell papermill injects after the parameters cell
@@ -69,6 +70,8 @@ def check_parameters(lab: str, scope: dict) -> None:
 def start(lab: str, scope: dict):
     """Start lab `lab` from its notebook: returns (device, recorder, grader)."""
     check_parameters(lab, scope)
+    for name, value in run_environment().items():   # a kernel started outside make: the course's private caches
+        os.environ.setdefault(name, value)           # (torch.compile's is /tmp/torchinductor_$USER otherwise)
     dev = devices.detect(scope["DEVICE"])
     if not dev.is_gpu:
         os.environ["TRITON_INTERPRET"] = "1"   # Triton kernels run on CPU tensors, in NumPy (before triton is imported)

@@ -83,10 +83,15 @@ def _writable_build(folder: Path) -> Path:
 
 def build_dir() -> Path:
     """Where executed notebooks, results and the report go: $COURSE_BUILD_DIR, else ./build in the
-    course checkout (an editable install), else ./build in the working directory. A build folder that exists
+    course checkout (an editable install), else ./build in the working directory; always a private folder
+    (`private_dir`: 0700, this user's, not a link), also when a lab's code runs outside make. A build folder that exists
     but is not writable by this user raises BuildFolderError; a checkout shared read-only by several learners
     (the checkout and its build/, if any, not writable) falls back to ~/.cache/rocm-cuda-labs/build and says so
     once (a workshop's JupyterHub sets COURSE_BUILD_DIR per learner instead: docs/jupyterhub/)."""
+    return private_dir(_locate_build())     # made 0700 by this user, checked, whoever asks first
+
+
+def _locate_build() -> Path:
     global _told_about_cache
     env = os.environ.get("COURSE_BUILD_DIR")
     if env:

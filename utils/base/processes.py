@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from utils.base import state
-from utils.base.paths import REPO_ROOT, build_dir
+from utils.base.paths import LOOPBACK, REPO_ROOT, build_dir, port_open
 
 NONCE_VAR = "COURSE_PROCESS_NONCE"
 PR_SET_PDEATHSIG = 1
@@ -245,12 +245,13 @@ def environ(pid: int) -> dict[str, str]:
         return {}
 
 
-def port_owned_by(port: int, nonce: str) -> bool | None:
-    """True if the process listening on `port` carries `nonce` in its environment, False if another
-    process listens there, None if this cannot be told (nobody this user can see is listening yet)."""
+def port_owned_by(port: int, nonce: str, host: str = LOOPBACK) -> bool | None:
+    """True if the process listening on `port` carries `nonce` in its environment; False if another process
+    listens there, one of this user's or one this user cannot see (another user's: it may have taken the port
+    first, and must never be sent a key or a prompt); None if nothing listens yet."""
     pids = listener_pids(port)
     if not pids:
-        return None
+        return False if port_open(port, host) else None
     return any(environ(pid).get(NONCE_VAR) == nonce for pid in pids)
 
 

@@ -23,6 +23,7 @@ import argparse
 import hmac
 import json
 import os
+import resource
 import sys
 
 KEY_VAR = "COURSE_SERVER_KEY"
@@ -124,8 +125,8 @@ class Guard:
                 raw = await self.read_body(receive)
                 try:
                     body = json.loads(raw)
-                except ValueError:
-                    raise Refused(400, "the body is not JSON") from None
+                except (ValueError, RecursionError):     # not JSON, or nested past Python's stack
+                    raise Refused(400, "the body is not JSON this server reads") from None
                 raw = json.dumps(self.limits.bound(path, body)).encode()
                 return await self.app(self.with_body(scope, raw), self.replay(raw, receive), send)
         except Refused as refused:
@@ -179,6 +180,15 @@ class Guard:
         await send({"type": "http.response.body", "body": body})
 
 
+def open_files_as_allowed() -> None:
+    """Raise this process's open-file limit to its hard limit: with the usual 1,024, another local user holding
+    1,100 idle connections starved the engine (and filled its log with accept errors); a connection costs the
+    one who opens it a file too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def install(limits: Limits, key: str, max_body: int) -> None:
     """Wrap every app uvicorn is given in this process in a Guard."""
     import uvicorn
@@ -198,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("serve", nargs=argparse.REMAINDER, help="-- then transformers' own arguments")
     args = parser.parse_args(argv)
     key = os.environ.pop(KEY_VAR, "")
+    open_files_as_allowed()
     if len(key) < 16:
         parser.error(f"{KEY_VAR} must hold this run's key (16 characters or more)")
     from transformers import AutoTokenizer   # heavy: only once the arguments are known to be right

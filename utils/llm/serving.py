@@ -262,7 +262,7 @@ class Server:
                 raise self._dead_error(" before it was healthy")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200 and processes.port_owned_by(self.port, self.owned.nonce) is not False:
+                    if r.status == 200 and self.ours():
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -304,8 +304,18 @@ class Server:
             self._start()
         self.restarts.append(why)
 
+    def ours(self) -> bool:
+        """Whether the process listening on the port is this server's engine (it carries its nonce): nothing
+        else is ever sent the key or a prompt (another user may take a free port between its choice and the
+        engine's bind)."""
+        return self.owned is not None and processes.port_owned_by(self.port, self.owned.nonce, self.host) is True
+
     def _one_token(self, timeout: float) -> bytes:
-        """A one-token chat completion with this server's key: the answer's bytes (HTTP errors raise)."""
+        """A one-token chat completion with this server's key: the answer's bytes (HTTP errors raise; a port
+        that is not this server's raises ServerError before anything is sent)."""
+        if not self.ours():
+            raise ServerError(f"port {self.port} is not held by this run's {self.engine.name} server (another "
+                              "process took it); nothing was sent to it")
         body = json.dumps({"model": self.served_name, "messages": [{"role": "user", "content": "Hi"}],
                            "max_tokens": 1, "temperature": 0, "stream": False}).encode()
         request = urllib.request.Request(f"{self.base_url}/chat/completions", body,
@@ -318,6 +328,8 @@ class Server:
         connection), or None: it answers, or it is only slow (a busy engine under a load test is not wedged)."""
         if self.owned is None or self.owned.poll() is not None:
             return None
+        if not self.ours():
+            return f"the lab 05 server ({self.engine.name}) lost its port {self.port} to another process"
         try:
             self._one_token(timeout)
             return None
@@ -394,7 +406,14 @@ class Server:
 
     def run_client(self, coro):
         """Run a client coroutine against this server (from plain code or a notebook); if it fails, say
-        whether the server died or is wedged (ServerError with its log) rather than a bare connection error."""
+        whether the server died or is wedged (ServerError with its log) rather than a bare connection error.
+        Nothing is sent (the key, the prompts) unless the port is still this server's."""
+        if not self.ours():
+            coro.close()
+            if self.owned is None or self.owned.poll() is not None:
+                raise self._dead_error()
+            raise ServerError(f"port {self.port} is not held by this run's {self.engine.name} server (another "
+                              "process took it); nothing was sent to it")
         try:
             return _run(coro)
         except Exception as exc:

@@ -82,7 +82,7 @@ outputs: $(STAMP) dirs ## re-run the solutions on the CPU, store their checked o
 	$(PY) -m utils.machinery.harness outputs $(NOTEBOOKS)
 	$(PY) -m utils.machinery.harness labs
 
-export: $(STAMP) ## write build/export/<lab>.py: each lab's kernels, wrappers and checkers as a module
+export: $(STAMP) ## write build/export/<lab>.py: each lab's kernels and wrappers as a module
 	$(PY) -m utils.machinery.harness export
 
 progress: $(STAMP) dirs ## which exercises pass in labs/ on this machine (RUN=1 executes the labs first)

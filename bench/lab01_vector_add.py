@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from utils import timing  # noqa: E402
+from utils.graders import lab01 as graders  # noqa: E402
 
 
 def load_lab():
@@ -60,9 +61,9 @@ def main() -> int:
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     for name, fn, block in [("triton_add", lab.triton_add, 1024), ("add_naive", hand.add_naive, 256),
                             ("add_vec4", hand.add_vec4, 256)]:
-        lab.check_add(name, fn, block=block, sizes=(1, 4099, 2**20 + 3), device="cuda")
-        lab.check_layouts(name, fn, device="cuda", n=4099, names={"x[::2]", "out[::2]", "x.T (2-D)"})
-    lab.check_rows("triton_add_rows", lab.triton_add_rows, device="cuda")
+        graders.check_add(name, fn, block=block, sizes=(1, 4099, 2**20 + 3), device="cuda")
+        graders.check_layouts(name, fn, device="cuda", n=4099, names={"x[::2]", "out[::2]", "x.T (2-D)"})
+    graders.check_rows("triton_add_rows", lab.triton_add_rows, device="cuda")
 
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "rounds": 5}

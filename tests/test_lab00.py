@@ -1,11 +1,12 @@
-"""Lab 00: the CPU's measured ceilings, and the grader of every exercise (the reference passes, an answer
-written differently passes, known-wrong answers fail with the hint that names their mistake)."""
+"""Lab 00: the CPU's measured ceilings, and the grader of every exercise (utils/graders/lab00.py: the reference
+passes, an answer written differently passes, known-wrong answers fail with the hint that names their mistake)."""
 import pytest
 
 from grading import errors, run_lab_with, stream_text
 from utils import device as devices
 from utils import solutions
 from utils.exercises import ExerciseFailed
+from utils.graders import lab00 as graders
 
 
 def test_cpu_ceilings_are_measured_and_say_so():
@@ -55,7 +56,7 @@ GRADER = {
 def _grade(exercise, answer=None):
     checker, name, _, _ = GRADER[exercise]
     module = solutions.load("00", answers=None if answer is None else {exercise: answer})
-    getattr(module, checker)(getattr(module, name))
+    getattr(graders, checker)(getattr(module, name))
 
 
 @pytest.mark.parametrize("exercise", GRADER)

@@ -3,8 +3,9 @@ exercise passes the reference and answers written differently and fails known-wr
 
 On the CPU the Triton kernels run under the interpreter (a private copy of the lab's exported module, since
 `@triton.jit` picks the interpreter when a kernel is defined) on a seeded covering grid: sizes 1, 17, 97 and
-4099, every layout once, every accepted dtype once, and every unsupported input. The full grids, and the
-hand-written CUDA/HIP kernels built with load_inline, are `gpu` tests (`make test-gpu`)."""
+4099, every layout once, every accepted dtype once, and every unsupported input. The graders are
+utils/graders/lab01.py, called with the loaded module's functions. The full grids, and the hand-written CUDA/HIP
+kernels built with load_inline, are `gpu` tests (`make test-gpu`)."""
 import hashlib
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import torch
 from grading import errors, run_lab_with, stream_text
 from utils import isa, solutions
 from utils.exercises import ExerciseFailed
+from utils.graders import lab01 as graders
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +57,28 @@ def lab(interpreter):
 # --- triton_add on the CPU: a covering grid ------------------------------------------------------
 
 def test_contiguous_sizes_and_dtypes(lab, capsys):
-    lab.check_add("triton_add", lab.triton_add, sizes=(1, 17, 97, 4099))
-    lab.check_add("triton_add", lab.triton_add, sizes=(97,), dtypes=(torch.float16,))
-    lab.check_add("triton_add", lab.triton_add, sizes=(4099,), dtypes=(torch.bfloat16,))
-    assert capsys.readouterr().out.count("PASS") == 3
+    graders.check_add("triton_add", lab.triton_add, sizes=(1, 17, 97, 4099))
+    graders.check_add("triton_add", lab.triton_add, sizes=(97,), dtypes=(torch.float16,))
+    graders.check_add("triton_add", lab.triton_add, sizes=(4099,), dtypes=(torch.bfloat16,))
+    graders.check_add("add", lab.add, sizes=(1, 4099), dtypes=(torch.float32, torch.float16))
+    assert capsys.readouterr().out.count("PASS") == 4
+
+
+def test_the_short_wrapper_takes_contiguous_tensors_only(lab):
+    """add, the lesson's short wrapper: out=None gives a new tensor; a view that is not contiguous is refused
+    (triton_add takes those)."""
+    x, y = torch.randn(17), torch.randn(17)
+    assert torch.equal(lab.add(x, y), x + y)
+    with pytest.raises(AssertionError, match="contiguous"):
+        lab.add(torch.randn(34)[::2], y)
 
 
 def test_every_layout(lab, capsys):
-    lab.check_layouts("triton_add", lab.triton_add, n=97)
-    lab.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.float16, names={"x.T (2-D)", "out[::2]"})
-    lab.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.bfloat16,
-                      names={"heads transposed (B, N, H, D) -> (B, H, N, D)", "expand: a row broadcast"})
-    assert capsys.readouterr().out.count("PASS") == len(lab.layouts()) + 4
+    graders.check_layouts("triton_add", lab.triton_add, n=97)
+    graders.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.float16, names={"x.T (2-D)", "out[::2]"})
+    graders.check_layouts("triton_add", lab.triton_add, n=17, dtype=torch.bfloat16,
+                          names={"heads transposed (B, N, H, D) -> (B, H, N, D)", "expand: a row broadcast"})
+    assert capsys.readouterr().out.count("PASS") == len(graders.layouts()) + 4
 
 
 def test_more_layouts(lab):
@@ -136,7 +148,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused(lab, monkeypatch):
 
 
 def test_rows_kernel_layouts(lab, capsys):
-    lab.check_rows("triton_add_rows", lab.triton_add_rows)
+    graders.check_rows("triton_add_rows", lab.triton_add_rows)
     x = torch.randn(6, 3 * 40)[:, 40:80]
     assert torch.equal(lab.triton_add_rows(x, x, torch.empty(6, 40)), x + x)
     assert "PASS" in capsys.readouterr().out
@@ -171,13 +183,13 @@ mask = cols < n_cols
 tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=mask) + tl.load(y_ptr + cols, mask=mask), mask=mask)"""
 
 GRADER = {   # exercise -> (how to grade a loaded module, [other correct answers], [(wrong answer, words of its hint)])
-    "1.2": (lambda m: m.check_add("triton_add", m.triton_add, dtypes=(torch.float32, torch.float16)),
+    "1.2": (lambda m: graders.check_add("add", m.add, dtypes=(torch.float32, torch.float16)),
             [ADD_ALT],
             [(ADD_BODY.format(y="y").replace(", mask=mask)", ")"), "mask the store"),
              (ADD_BODY.format(y="y").replace("pid * BLOCK + ", ""), "must start at element pid \\* BLOCK"),
              (ADD_BODY.format(y="x"), "store the sum of the loaded x and y"),
              (ADD_BODY.format(y="y").replace("offsets < n", "offsets < n - 1"), "was never written")]),
-    "1.3": (lambda m: m.check_q_strides(m.predict_q_strides),
+    "1.3": (lambda m: graders.check_q_strides(m.predict_q_strides, m.gpt2_qkv),
             ["shape = (batch, seq, 3 * heads * head_dim)\n"
              "qkv = torch.empty(shape)[..., :heads * head_dim]\n"
              "return qkv.view(batch, seq, heads, head_dim).transpose(1, 2).stride()",
@@ -185,7 +197,7 @@ GRADER = {   # exercise -> (how to grade a loaded module, [other correct answers
             [("return (heads * seq * head_dim, seq * head_dim, head_dim, 1)", "strides of a contiguous"),
              ("e = heads * head_dim\nreturn (seq * e, head_dim, e, 1)", "3\\*E long"),
              ("e = 3 * heads * head_dim\nreturn (seq * e, e, head_dim, 1)", "before transpose")]),
-    "1.4": (lambda m: m.check_rows("triton_add_rows", m.triton_add_rows),
+    "1.4": (lambda m: graders.check_rows("triton_add_rows", m.triton_add_rows),
             [ROWS_ALT],
             [(ROWS_BODY.format(**{**ROWS, "os": "x_row_stride"}), "out's rows are out_row_stride apart"),
              (ROWS_BODY.format(**{**ROWS, "xs": "n_cols"}), "x's rows are x_row_stride apart"),
@@ -228,8 +240,8 @@ def _grade_port(interpreter, change):
     source = change(ref.saxpy_hip())
     assert source != ref.saxpy_hip() or change is _same
     module = interpreter({"1.1": f'return r"""{source}"""'})
-    module.compile_port = ref.compile_port          # one hipcc cache for all answers (hipify's port compiles once)
-    module.check_hip_port(module.saxpy_hip(), module.SAXPY_CU)
+    # ref.compile_port: one hipcc cache for all answers (hipify's port compiles once)
+    graders.check_hip_port(module.saxpy_hip(), module.SAXPY_CU, ref.compile_port)
 
 
 def _same(port):
@@ -294,9 +306,9 @@ def hand(compiled):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", SIZES)
 def test_gpu_triton_add_full_grid(compiled, no_interpreter, n, dtype, capsys):
-    compiled.check_add("triton_add", compiled.triton_add, sizes=(n,), dtypes=(dtype,), device="cuda")
-    compiled.check_layouts("triton_add", compiled.triton_add, device="cuda", dtype=dtype, n=n)
-    assert capsys.readouterr().out.count("PASS") == 1 + len(compiled.layouts())
+    graders.check_add("triton_add", compiled.triton_add, sizes=(n,), dtypes=(dtype,), device="cuda")
+    graders.check_layouts("triton_add", compiled.triton_add, device="cuda", dtype=dtype, n=n)
+    assert capsys.readouterr().out.count("PASS") == 1 + len(graders.layouts())
 
 
 @pytest.mark.gpu
@@ -318,7 +330,7 @@ def test_gpu_triton_add_past_2_31_elements(compiled, no_interpreter):
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_rows_kernel_grid(compiled, no_interpreter, dtype, capsys):
-    compiled.check_rows("triton_add_rows", compiled.triton_add_rows, device="cuda", dtype=dtype,
+    graders.check_rows("triton_add_rows", compiled.triton_add_rows, device="cuda", dtype=dtype,
                         cases=((1, 1), (3, 17), (5, 97), (2, 1100), (7, 33), (64, 4096), (1000, 4099), (3, 65537)))
     assert "PASS" in capsys.readouterr().out
 
@@ -329,12 +341,12 @@ def test_gpu_rows_kernel_grid(compiled, no_interpreter, dtype, capsys):
 @pytest.mark.parametrize("n", SIZES)
 def test_gpu_hand_kernels_full_grid(compiled, hand, kernel, n, capsys):
     fn = getattr(hand, kernel)
-    compiled.check_add(kernel, fn, block=256, sizes=(n,), device="cuda")
-    compiled.check_layouts(kernel, fn, device="cuda", n=n)
+    graders.check_add(kernel, fn, block=256, sizes=(n,), device="cuda")
+    graders.check_layouts(kernel, fn, device="cuda", n=n)
     a, b = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     want = a + b
     assert fn(a, b, a) is not None and torch.equal(a, want)             # in place
-    assert capsys.readouterr().out.count("PASS") == 1 + len(compiled.layouts())
+    assert capsys.readouterr().out.count("PASS") == 1 + len(graders.layouts())
 
 
 @pytest.mark.gpu

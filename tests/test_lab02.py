@@ -1,12 +1,13 @@
-"""Lab 02 (wavefront vs warp): the graders of exercises 2.1-2.4 with reference, alternative and known-wrong
-answers. The kernels run on the CPU through utils.simt.run_kernel (CUDA's API on 32 lanes, HIP's on 64 and 32);
-on a GPU, `@pytest.mark.gpu` runs the reference kernels on it too."""
+"""Lab 02 (wavefront vs warp): the graders of exercises 2.1-2.4 (utils/graders/lab02.py) with reference, alternative
+and known-wrong answers. The kernels run on the CPU through utils.simt.run_kernel (CUDA's API on 32 lanes, HIP's on
+64 and 32); on a GPU, `@pytest.mark.gpu` runs the reference kernels on it too."""
 import numpy as np
 import pytest
 
 from grading import errors, run_lab_with, stream_text
 from utils import exercises, solutions
 from utils.exercises import ExerciseFailed
+from utils.graders import lab02 as graders
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,11 @@ def fails_with(fn, *hint):
         assert part in str(err.value), str(err.value)
 
 
+def given(value):
+    """A learner's function that returns `value` (the graders take the function, as ex.grade passes it)."""
+    return lambda: value
+
+
 def kernel_answer(source: str) -> str:
     """An answer for a region that returns CUDA source."""
     return f'return r"""{source}"""'
@@ -29,13 +35,13 @@ def kernel_answer(source: str) -> str:
 # --- 2.1 predict ---------------------------------------------------------------------------------------
 
 def test_grader_2_1(lab):
-    lab.check_passes(lab.predicted_passes())
+    graders.check_passes(lab.predicted_passes)
     alt = solutions.load("02", {"2.1": "return {(w, p): 1 if p >= w else 2 for w in (32, 64) for p in (16, 32, 64)}"})
-    lab.check_passes(alt.predicted_passes())
+    graders.check_passes(alt.predicted_passes)
     right = lab.predicted_passes()
-    fails_with(lambda: lab.check_passes({**right, (64, 32): 1}), "64 lanes, period 32", "both run")
-    fails_with(lambda: lab.check_passes({**right, (32, 32): 2}), "32 lanes, period 32", "one pass")
-    fails_with(lambda: lab.check_passes([2, 1]), "return a dict")
+    fails_with(lambda: graders.check_passes(given({**right, (64, 32): 1})), "64 lanes, period 32", "both run")
+    fails_with(lambda: graders.check_passes(given({**right, (32, 32): 2})), "32 lanes, period 32", "one pass")
+    fails_with(lambda: graders.check_passes(given([2, 1])), "return a dict")
 
 
 # --- 2.2 the portable reduction ------------------------------------------------------------------------
@@ -78,17 +84,17 @@ SUM_WRONG = {
 
 
 def test_grader_2_2_reference_and_alternatives(lab):
-    lab.check_portable_sum(lab.sum_portable_kernel())
+    graders.check_portable_sum(lab.sum_portable_kernel)
     for source in SUM_ALTERNATIVES.values():
-        lab.check_portable_sum(source)
+        graders.check_portable_sum(given(source))
     alt = solutions.load("02", {"2.2": kernel_answer(SUM_ALTERNATIVES["width as a template parameter"])})
-    lab.check_portable_sum(alt.sum_portable_kernel())
+    graders.check_portable_sum(alt.sum_portable_kernel)
 
 
 @pytest.mark.parametrize("mistake", SUM_WRONG, ids=list(SUM_WRONG))
 def test_grader_2_2_known_wrong(lab, mistake):
     source, *hint = SUM_WRONG[mistake]
-    fails_with(lambda: lab.check_portable_sum(source), *hint)
+    fails_with(lambda: graders.check_portable_sum(given(source)), *hint)
 
 
 # --- 2.3 counting with a ballot ------------------------------------------------------------------------
@@ -120,14 +126,14 @@ COUNT_WRONG = {
 
 
 def test_grader_2_3_reference_and_alternative(lab):
-    lab.check_count_positive(lab.count_positive_kernel())
-    lab.check_count_positive(COUNT_SHUFFLE)
+    graders.check_count_positive(lab.count_positive_kernel)
+    graders.check_count_positive(given(COUNT_SHUFFLE))
 
 
 @pytest.mark.parametrize("mistake", COUNT_WRONG, ids=list(COUNT_WRONG))
 def test_grader_2_3_known_wrong(lab, mistake):
     source, *hint = COUNT_WRONG[mistake]
-    fails_with(lambda: lab.check_count_positive(source), *hint)
+    fails_with(lambda: graders.check_count_positive(given(source)), *hint)
 
 
 # --- 2.4 one side per wavefront ------------------------------------------------------------------------
@@ -160,21 +166,21 @@ def converged_wrong(lab):
 
 
 def test_grader_2_4(lab):
-    lab.check_converged(lab.converged_kernel())
-    lab.check_converged(CONVERGED_BITS)
+    graders.check_converged(lab.converged_kernel)
+    graders.check_converged(given(CONVERGED_BITS))
     wrong = converged_wrong(lab)
     for source, *hint in wrong.values():
         assert source != lab.converged_kernel()
-        fails_with(lambda: lab.check_converged(source), *hint)
+        fails_with(lambda: graders.check_converged(given(source)), *hint)
 
 
 def test_unfinished_exercises_are_not_done(capsys):
     stub = solutions.load("02", stubs=True)
     ex = exercises.Lab("02_test_unfinished")
-    assert ex.grade("2.1", "predict", lambda: stub.check_passes(stub.predicted_passes())) is False
-    assert ex.grade("2.2", "reduction", lambda: stub.check_portable_sum(stub.sum_portable_kernel())) is False
-    assert ex.grade("2.3", "ballot", lambda: stub.check_count_positive(stub.count_positive_kernel())) is False
-    assert ex.grade("2.4", "converged", lambda: stub.check_converged(stub.converged_kernel())) is False
+    assert ex.grade("2.1", "predict", graders.check_passes, stub.predicted_passes) is False
+    assert ex.grade("2.2", "reduction", graders.check_portable_sum, stub.sum_portable_kernel) is False
+    assert ex.grade("2.3", "ballot", graders.check_count_positive, stub.count_positive_kernel) is False
+    assert ex.grade("2.4", "converged", graders.check_converged, stub.converged_kernel) is False
     assert capsys.readouterr().out.count("NOT DONE: exercise 2.") == 4
 
 

@@ -1,6 +1,6 @@
 """Lab 03 (BF16 matmul): `triton_matmul` and `persistent_matmul` right on every layout, dtype and precision,
-clear errors for what they do not take, and the graders of exercises 3.1-3.5 (reference, alternative and
-known-wrong answers).
+clear errors for what they do not take, and the graders of exercises 3.1-3.5 (utils/graders/lab03.py: reference,
+alternative and known-wrong answers).
 
 Without a GPU the kernels run in Triton's interpreter on a seeded covering grid (sizes 1, 17, 97; each layout
 once; each dtype once); the full grid is behind `@pytest.mark.gpu` (`make test-gpu`)."""
@@ -14,6 +14,7 @@ import torch
 from grading import errors, run_lab_with, stream_text
 from utils import exercises, solutions
 from utils.exercises import ExerciseFailed
+from utils.graders import lab03 as graders
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -230,12 +231,12 @@ def fails_with(fn, *hint):
 
 
 def test_grader_3_1_intensity(lab):
-    lab.check_intensity(lab.intensity)
+    graders.check_intensity(lab.intensity)
     alt = load({"3.1": "return matmul_flops(n, n, n) / matmul_bytes(n, n, n)"})
-    lab.check_intensity(alt.intensity)
-    fails_with(lambda: lab.check_intensity(lambda n: n / 6), "half the answer")
-    fails_with(lambda: lab.check_intensity(lambda n: 2 * n**3 / (2 * 2 * n**2)), "C is written too")
-    fails_with(lambda: lab.check_intensity(lambda n: n**3 / (4 * 3 * n**2)), "FP32's 4 bytes")
+    graders.check_intensity(alt.intensity)
+    fails_with(lambda: graders.check_intensity(lambda n: n / 6), "half the answer")
+    fails_with(lambda: graders.check_intensity(lambda n: 2 * n**3 / (2 * 2 * n**2)), "C is written too")
+    fails_with(lambda: graders.check_intensity(lambda n: n**3 / (4 * 3 * n**2)), "FP32's 4 bytes")
 
 
 K_LOOP_ALTERNATIVE = """
@@ -262,25 +263,26 @@ K_LOOP_WRONG = {
 
 
 def test_grader_3_2_k_loop(lab):
-    lab.check_matmul(lab.triton_matmul, DEVICE)
-    lab.check_matmul(load({"3.2": K_LOOP_ALTERNATIVE}).triton_matmul, DEVICE)
+    graders.check_matmul(lab.matmul, DEVICE)            # the short wrapper the notebook grades
+    graders.check_matmul(lab.triton_matmul, DEVICE)     # the full one, through the same kernel
+    graders.check_matmul(load({"3.2": K_LOOP_ALTERNATIVE}).matmul, DEVICE)
 
 
 @pytest.mark.parametrize("mistake", K_LOOP_WRONG, ids=list(K_LOOP_WRONG))
 def test_grader_3_2_known_wrong(mistake):
     code, *hint = K_LOOP_WRONG[mistake]
     wrong = load({"3.2": code})
-    fails_with(lambda: wrong.check_matmul(wrong.triton_matmul, DEVICE), *hint)
+    fails_with(lambda: graders.check_matmul(wrong.matmul, DEVICE), *hint)
 
 
 def test_grader_3_3_prediction(lab):
     measured = {"gfx942": 32, "sm_90": 4}   # what the lab's builds count (its notebook checks the same)
-    lab.check_instruction_prediction(lab.matrix_instructions_per_k_step(), measured)
+    graders.check_instruction_prediction(lab.matrix_instructions_per_k_step(), measured)
     alt = load({"3.3": 'return {"sm_90": 2 * 2, "gfx942": 4 * 8}'})
-    lab.check_instruction_prediction(alt.matrix_instructions_per_k_step(), measured)
-    fails_with(lambda: lab.check_instruction_prediction({"gfx942": 128, "sm_90": 4}, measured), "4 wavefronts share it")
-    fails_with(lambda: lab.check_instruction_prediction({"gfx942": 32, "sm_90": 8}, measured), "2 warp groups")
-    fails_with(lambda: lab.check_instruction_prediction(32, measured), 'return {"gfx942"')
+    graders.check_instruction_prediction(alt.matrix_instructions_per_k_step(), measured)
+    fails_with(lambda: graders.check_instruction_prediction({"gfx942": 128, "sm_90": 4}, measured), "4 wavefronts share it")
+    fails_with(lambda: graders.check_instruction_prediction({"gfx942": 32, "sm_90": 8}, measured), "2 warp groups")
+    fails_with(lambda: graders.check_instruction_prediction(32, measured), 'return {"gfx942"')
 
 
 TF32_REFERENCE = """
@@ -304,36 +306,37 @@ TF32_WRONG = {
 
 
 def test_grader_3_4_tf32_rounding(lab):
-    lab.check_tf32_round(lab.tf32_round, DEVICE)
+    graders.check_tf32_round(lab.tf32_round, DEVICE)
     alt = load({"3.4": TF32_ALTERNATIVE})
-    lab.check_tf32_round(alt.tf32_round, DEVICE)
+    graders.check_tf32_round(alt.tf32_round, DEVICE)
     for code, hint in TF32_WRONG.values():
         wrong = load({"3.4": code})
-        fails_with(lambda: wrong.check_tf32_round(wrong.tf32_round, DEVICE), hint)
+        fails_with(lambda: graders.check_tf32_round(wrong.tf32_round, DEVICE), hint)
 
 
 def test_grader_3_5_config(lab):
-    lab.check_config(lab.my_config("cuda"), DEVICE)
+    graders.check_config(lab.my_config("cuda"), DEVICE)
     alt = load({"3.5": 'return triton.Config({"GROUP_M": 4, "BLOCK_K": 32, "BLOCK_M": 64, "BLOCK_N": 128}, '
                        'num_warps=4, num_stages=4)'})
-    lab.check_config(alt.my_config("cuda"), DEVICE)
+    graders.check_config(alt.my_config("cuda"), DEVICE)
     import triton
-    fails_with(lambda: lab.check_config({"BLOCK_M": 64}, DEVICE), "triton.Config(")
-    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 8, "GROUP_M": 8}), DEVICE),
+    fails_with(lambda: graders.check_config({"BLOCK_M": 64}, DEVICE), "triton.Config(")
+    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 8, "GROUP_M": 8}), DEVICE),
                "BLOCK_K = 8", "at least 16")
-    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
+    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
                "powers of two")
-    fails_with(lambda: lab.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
+    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
 
 
 def test_unfinished_exercises_are_not_done(capsys):
     lab = load(stubs=True)
     ex = exercises.Lab("03_test_unfinished")
-    assert ex.grade("3.2", "the K loop", lab.check_matmul, lab.triton_matmul, DEVICE, uses=[lab.matmul_kernel]) is False
-    assert ex.grade("3.4", "TF32", lab.check_tf32_round, lab.tf32_round, DEVICE, uses=[lab.tf32_round_kernel]) is False
-    assert ex.grade("3.1", "intensity", lab.check_intensity, lab.intensity) is False
-    with pytest.raises(NotImplementedError, match="exercise not done: 3.2"):
-        lab.triton_matmul(torch.randn(4, 4), torch.randn(4, 4))
+    assert ex.grade("3.2", "the K loop", graders.check_matmul, lab.matmul, DEVICE, uses=[lab.matmul_kernel]) is False
+    assert ex.grade("3.4", "TF32", graders.check_tf32_round, lab.tf32_round, DEVICE, uses=[lab.tf32_round_kernel]) is False
+    assert ex.grade("3.1", "intensity", graders.check_intensity, lab.intensity) is False
+    for matmul in (lab.matmul, lab.triton_matmul):
+        with pytest.raises(NotImplementedError, match="exercise not done: 3.2"):
+            matmul(torch.randn(4, 4), torch.randn(4, 4))
     assert capsys.readouterr().out.count("NOT DONE: exercise 3.") == 3
 
 

@@ -2,7 +2,8 @@
 
 On a CPU (Triton's interpreter): a seeded covering grid (every head dim, layout, dtype, size and mask), tile shapes,
 the errors, ahead-of-time builds for gfx942 and sm_90 at every head dim (shared memory within each GPU's limit), and
-for every exercise the reference, other right answers and known-wrong ones. On a GPU (`@pytest.mark.gpu`): the full
+for every exercise the reference, other right answers and known-wrong ones, through the graders in
+utils/graders/lab04.py (which also hold the seeded inputs and the tolerance). On a GPU (`@pytest.mark.gpu`): the full
 grid, every combination, sizes to 4096. Tolerance: flash-attn's rule (`within_tolerance`).
 """
 import itertools
@@ -32,6 +33,8 @@ if not GPU:
     # on a CPU the whole process interprets (as a notebook does), so this is set before anything imports it.
     os.environ["TRITON_INTERPRET"] = "1"
 
+from utils.graders import lab04 as graders   # noqa: E402  (imports triton: after TRITON_INTERPRET is set)
+
 
 def load(**kwargs):
     """The lab's exported module: compiled kernels on a GPU, Triton's interpreter on a CPU."""
@@ -49,10 +52,10 @@ def lab():
 
 def run_case(lab, d, layout, dtype, n, causal, batch=2, heads=2, attention=None, **kwargs):
     """(ok, error, allowed) of one input against the fp32 reference, by flash-attn's rule."""
-    q, k, v = lab.make_inputs(batch, heads, n, d, layout, dtype, DEVICE, seed=zlib.crc32(repr((d, layout, n, causal)).encode()) % 1000)
+    q, k, v = graders.make_inputs(batch, heads, n, d, layout, dtype, DEVICE, seed=zlib.crc32(repr((d, layout, n, causal)).encode()) % 1000)
     out = (attention or lab.triton_attention)(q, k, v, causal, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    return lab.within_tolerance(out, q, k, v, causal, kwargs.get("sm_scale"))
+    return graders.within_tolerance(out, q, k, v, causal, kwargs.get("sm_scale"))
 
 
 # --- the covering grid (CPU) -------------------------------------------------------------------------
@@ -70,16 +73,16 @@ def covering_grid(layouts):
 
 
 def test_the_covering_grid_covers(lab):
-    cases = covering_grid(lab.LAYOUTS)
-    for index, values in ((0, HEAD_DIMS), (1, lab.LAYOUTS), (2, DTYPES), (3, (1, 17, 97, 1025)), (4, (False, True))):
+    cases = covering_grid(graders.LAYOUTS)
+    for index, values in ((0, HEAD_DIMS), (1, graders.LAYOUTS), (2, DTYPES), (3, (1, 17, 97, 1025)), (4, (False, True))):
         assert {c[index] for c in cases} == set(values)
-    assert {(c[1], c[4]) for c in cases} == set(itertools.product(lab.LAYOUTS, (False, True)))
+    assert {(c[1], c[4]) for c in cases} == set(itertools.product(graders.LAYOUTS, (False, True)))
     assert {(c[3], c[4]) for c in cases} >= set(itertools.product((1, 17, 97), (False, True)))
 
 
 def test_covering_grid(lab, capsys):
     """Every case within tolerance; prints the pass count (the 1025 cases run one head: the interpreter is slow)."""
-    failed, cases, start = [], covering_grid(lab.LAYOUTS), time.time()
+    failed, cases, start = [], covering_grid(graders.LAYOUTS), time.time()
     for d, layout, dtype, n, causal in cases:
         size = dict(batch=1, heads=1) if n > 200 else {}
         ok, err, allowed = run_case(lab, d, layout, dtype, n, causal, **size)
@@ -111,13 +114,13 @@ def test_sm_scale(lab, sm_scale):
 def test_large_scores_and_a_huge_stride(lab):
     """Scores of hundreds (the running max must keep exp2 finite), and a row stride too large for 32-bit tile
     offsets (the wrapper copies that tensor)."""
-    q, k, v = lab.make_inputs(1, 2, 50, 64, "contiguous", torch.bfloat16, DEVICE, seed=3)
+    q, k, v = graders.make_inputs(1, 2, 50, 64, "contiguous", torch.bfloat16, DEVICE, seed=3)
     q = (q * 30).to(torch.bfloat16)
-    ok, err, allowed = lab.within_tolerance(lab.triton_attention(q, k, v, True), q, k, v, True)
+    ok, err, allowed = graders.within_tolerance(lab.triton_attention(q, k, v, True), q, k, v, True)
     assert ok, f"{err:.3g} > {allowed:.3g}"
     wide = torch.randn(1, 1, 3, lab.BIG_STRIDE + 64, dtype=torch.bfloat16, device=DEVICE)
     q = k = v = wide[..., :64]
-    ok, err, allowed = lab.within_tolerance(lab.triton_attention(q, k, v), q, k, v)
+    ok, err, allowed = graders.within_tolerance(lab.triton_attention(q, k, v), q, k, v)
     assert ok, f"{err:.3g} > {allowed:.3g}"
 
 
@@ -126,11 +129,16 @@ def test_large_scores_and_a_huge_stride(lab):
 def test_the_tma_kernel(lab, d, layout, n, causal):
     """`flash_attention_tma` (tensor descriptors; zeros past the tensor's end and head dim, clipped stores) on a few
     awkward inputs: under the interpreter on a CPU, on the GPU's TMA unit on an H100."""
-    if GPU and lab.why_not_hopper(*lab.make_inputs(1, 2, n, d, layout, device=DEVICE)) is not None:
+    if GPU and lab.why_not_hopper(*graders.make_inputs(1, 2, n, d, layout, device=DEVICE)) is not None:
         pytest.skip("the TMA path needs compute capability 9.x")
     ok, err, allowed = run_case(lab, d, layout, torch.bfloat16, n, causal, batch=1, heads=2,
                                 attention=lab.hopper_attention, config=None if GPU else dict(BLOCK_M=32, BLOCK_N=16))
     assert ok, f"{err:.3g} > {allowed:.3g}"
+
+
+def test_the_lab_module_offers_the_graders_tolerance_rule(lab):
+    """bench/lab04_*.py read flash-attn's rule from the lab's module; it lives in utils/graders/lab04.py."""
+    assert lab.within_tolerance is graders.within_tolerance
 
 
 def test_empty_inputs(lab):
@@ -253,12 +261,12 @@ def test_every_head_dim_compiles_for_gfx942_and_sm_90_within_shared_memory(lab, 
 
 # --- the exercises' graders ----------------------------------------------------------------------------
 
-def grade(lab_module, checker, *args):
-    """Run a checker; returns None (passed) or the failure's message."""
+def grade(checker, *args):
+    """Run a grader of utils/graders/lab04.py; returns None (passed) or the failure's message."""
     from utils.exercises import ExerciseFailed
 
     try:
-        getattr(lab_module, checker)(*args)
+        getattr(graders, checker)(*args)
     except ExerciseFailed as err:
         return str(err)
     return None
@@ -289,7 +297,7 @@ PREDICTIONS = {
 def test_grader_4_1(name, measured):
     answer = PREDICTIONS[name]
     module = load(answers={"4.1": answer}) if answer else load()
-    failure = grade(module, "check_prediction", module.predict_peak_bytes, measured)
+    failure = grade("check_prediction", module.predict_peak_bytes, measured)
     if name.startswith("wrong"):
         assert failure and "per score" in failure and "N x N tensors alive" in failure
     else:
@@ -345,7 +353,7 @@ ONLINE_SOFTMAX = {
 def test_grader_4_2(name):
     answer = ONLINE_SOFTMAX[name]
     module = load(answers={"4.2": answer}) if answer else load()
-    failure = grade(module, "check_attention", module.portable_attention, DEVICE)
+    failure = grade("check_attention", module.attention, DEVICE)   # the notebook grades its short wrapper
     if name.startswith("wrong"):
         assert failure and "check the new running max" in failure
     else:
@@ -380,7 +388,7 @@ CAUSAL = {
 def test_grader_4_3(name):
     answer = CAUSAL[name]
     module = load(answers={"4.3": answer}) if answer else load()
-    failure = grade(module, "check_causal", module.portable_attention, DEVICE)
+    failure = grade("check_causal", module.attention, DEVICE)
     if name.startswith("wrong"):
         assert failure and "every query sees the keys up to its own position" in failure
     else:
@@ -400,7 +408,7 @@ TILES = {
 def test_grader_4_4(name):
     answer, hint = TILES[name]
     module = load(answers={"4.4": answer}) if answer else load()
-    failure = grade(module, "check_tiles", module.portable_attention, module.my_config, 64, torch.device(DEVICE))
+    failure = grade("check_tiles", module.portable_attention, module.my_config, 64, torch.device(DEVICE))
     if hint:
         assert failure and hint in failure
     else:
@@ -411,7 +419,7 @@ def test_grader_4_4(name):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
 def test_grader_4_4_tiles_too_big_for_the_gpu():
     module = load(answers={"4.4": "return dict(BLOCK_M=256, BLOCK_N=256, num_warps=8, num_stages=4)"})
-    failure = grade(module, "check_tiles", module.portable_attention, module.my_config, 256, torch.device("cuda"))
+    failure = grade("check_tiles", module.portable_attention, module.my_config, 256, torch.device("cuda"))
     assert failure and "your tiles fit the GPU" in failure
 
 
@@ -456,7 +464,7 @@ def test_full_grid_on_the_gpu(capsys):
     functions = ["triton_attention", "portable_attention"]     # the first takes the TMA path on an H100
     chunks = {}
     for d, dtype in itertools.product(HEAD_DIMS, ("bfloat16", "float16")):
-        for layout, n, causal, fn in itertools.product(load().LAYOUTS, GPU_SIZES, (False, True), functions):
+        for layout, n, causal, fn in itertools.product(graders.LAYOUTS, GPU_SIZES, (False, True), functions):
             chunks.setdefault((d, dtype), []).append((d, layout, dtype, n, causal, fn))
     start = time.time()
     workers = max(1, min(len(chunks), os.cpu_count() or 2, 16))

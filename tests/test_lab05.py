@@ -1,12 +1,14 @@
 """Lab 05's exercises graded the way a learner's answers are: for each, the reference passes, answers written
-differently pass, and known-wrong ones fail with the hint that names the mistake (checkers called directly
-through the solution's exported cells, and the generated lab run once with papermill)."""
+differently pass, and known-wrong ones fail with the hint that names the mistake (the checkers of
+utils/graders/lab05.py called directly on the solution's exported functions, and the generated lab run once with
+papermill)."""
 import pytest
 
 from grading import run_lab_with, stream_text
 from utils import solutions
 from utils.llm import models
 from utils.exercises import ExerciseFailed
+from utils.graders import lab05 as graders
 
 LAB = "05_llm_serving"
 
@@ -29,7 +31,7 @@ def ref():
 ], ids=["reference", "GB per token", "two lines"])
 def test_decode_ceiling_right_answers_pass(answer, capsys):
     m = lab({"5.1": answer}) if answer else lab()
-    m.check_decode_ceiling(m.decode_ceiling)
+    graders.check_decode_ceiling(m.decode_ceiling)
     assert "PASS: decode_ceiling" in capsys.readouterr().out
 
 
@@ -42,7 +44,7 @@ def test_decode_ceiling_right_answers_pass(answer, capsys):
 def test_decode_ceiling_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.1": answer})
     with pytest.raises(ExerciseFailed, match=hint):
-        m.check_decode_ceiling(m.decode_ceiling)
+        graders.check_decode_ceiling(m.decode_ceiling)
 
 
 # ---- 5.2 KV-cache bytes per token ------------------------------------------------------------------
@@ -53,7 +55,7 @@ def test_decode_ceiling_wrong_answers_fail_with_their_hint(answer, hint):
 ], ids=["per layer", "k plus v"])
 def test_kv_bytes_right_answers_pass(answer, capsys):
     m = lab({"5.2": answer})
-    m.check_kv_bytes_per_token(m.kv_bytes_per_token)
+    graders.check_kv_bytes_per_token(m.kv_bytes_per_token)
     assert "PASS: kv_bytes_per_token" in capsys.readouterr().out
 
 
@@ -66,7 +68,7 @@ def test_kv_bytes_right_answers_pass(answer, capsys):
 def test_kv_bytes_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.2": answer})
     with pytest.raises(ExerciseFailed, match=hint):
-        m.check_kv_bytes_per_token(m.kv_bytes_per_token)
+        graders.check_kv_bytes_per_token(m.kv_bytes_per_token)
 
 
 # ---- 5.3 predict the sequences that fit ------------------------------------------------------------
@@ -81,7 +83,7 @@ def test_the_prediction_is_graded_against_the_table(ref, capsys):
     want = table_count()
     assert want == 104
     for right in (104, 103, 105, 104.0):
-        ref.check_prediction(lambda: right, want)
+        graders.check_prediction(lambda: right, want)
     assert "PASS: predicted 104 sequences; the table says 104" in capsys.readouterr().out
 
 
@@ -92,7 +94,7 @@ def test_the_prediction_is_graded_against_the_table(ref, capsys):
 ], ids=["GiB", "only K", "no 90%", "no weights", "half", "a string", "nan"])
 def test_wrong_predictions_fail_with_their_hint(ref, wrong, hint):
     with pytest.raises(ExerciseFailed, match=hint):
-        ref.check_prediction(lambda: wrong, table_count())
+        graders.check_prediction(lambda: wrong, table_count())
 
 
 # ---- 5.4 a serving benchmark's per-request metrics --------------------------------------------------
@@ -125,7 +127,7 @@ return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}"""
 @pytest.mark.parametrize("answer", [REFERENCE_METRICS, ALTERNATIVE_METRICS], ids=["reference", "numpy"])
 def test_request_metrics_right_answers_pass(answer, capsys):
     m = lab({"5.4": answer})
-    m.check_request_metrics(m.request_metrics)
+    graders.check_request_metrics(m.request_metrics)
     assert "PASS: request_metrics" in capsys.readouterr().out
 
 
@@ -157,16 +159,16 @@ return {"ttft": ttft, "tpot": (e2e - ttft) / (output_tokens - 1) if output_token
 def test_request_metrics_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.4": answer})
     with pytest.raises(ExerciseFailed, match=hint.replace("(", "\\(").replace(")", "\\)")):
-        m.check_request_metrics(m.request_metrics)
+        graders.check_request_metrics(m.request_metrics)
 
 
 def test_the_reference_metrics_are_the_load_generators():
     from utils.llm import loadgen
 
     m = lab()
-    for what, start, chunks, end, n in [*m.METRIC_CASES, *m._random_cases()]:
+    for what, start, chunks, end, n in [*graders.METRIC_CASES, *graders._random_cases()]:
         mine, theirs = m.request_metrics(start, chunks, end, n), loadgen.request_metrics(start, chunks, end, n)
-        assert mine.keys() == theirs.keys() and all(m._close(mine[k], theirs[k]) for k in mine), what
+        assert mine.keys() == theirs.keys() and all(graders._close(mine[k], theirs[k]) for k in mine), what
 
 
 # ---- 5.5 paged decode attention ---------------------------------------------------------------------
@@ -185,7 +187,7 @@ return torch.einsum("bhl,blhd->bhd", s.softmax(-1), v.float()).to(q.dtype)"""
                          ids=["reference", "einsum", "the loop"])
 def test_paged_attention_right_answers_pass(answer, capsys):
     m = lab({"5.5": answer}) if answer else lab()
-    m.check_paged_attention(m.paged_attention)
+    graders.check_paged_attention(m.paged_attention)
     assert "PASS: paged_attention" in capsys.readouterr().out
 
 
@@ -202,7 +204,7 @@ def test_paged_attention_right_answers_pass(answer, capsys):
 def test_paged_attention_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.5": answer})
     with pytest.raises(ExerciseFailed, match=hint):
-        m.check_paged_attention(m.paged_attention)
+        graders.check_paged_attention(m.paged_attention)
 
 
 def test_paged_inputs_scatter_blocks_and_count_bytes(ref):

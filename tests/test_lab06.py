@@ -1,6 +1,6 @@
 """Lab 06: busbw formulas, topology parsing (NVIDIA and AMD fixtures), the tensor-parallel split against
 transformers (ranks as threads, then real ranks), the launcher (failure, hang, kill, no listener off the loopback
-interface, two "nodes" under torchrun, nothing left behind) and the graders of exercises 6.1-6.4."""
+interface, two "nodes" under torchrun, nothing left behind) and the graders of exercises 6.1-6.4 (utils/graders/lab06.py)."""
 import json
 import os
 import re
@@ -21,6 +21,7 @@ from utils import solutions
 from utils.base import processes
 from utils.multigpu import collectives, launch, topology, tp
 from utils.exercises import ExerciseFailed
+from utils.graders import lab06 as graders
 
 TOPO = DATA / "topology"
 LAB = "06_multi_gpu"
@@ -253,8 +254,27 @@ def test_split_refuses_what_does_not_divide(tiny):
         tp.TPLlama(folder, rank=0, world=3, comm=object())
     with pytest.raises(ValueError, match=r"cannot be compared"):
         tp.compare(torch.zeros(2, 3), torch.zeros(3, 2))
-    assert tp.collectives_per_token(32, 4096, 2) == (64, 8192)
     assert tp.tolerance(torch.bfloat16, noise=0.03) == pytest.approx(0.09)
+
+
+def test_each_ranks_mlp_partial_is_the_learners_split(tiny):
+    """tp.mlp_partial (the shard TPLlama reads, the MLP it runs) equals lab 06's column- and row-parallel answers
+    rank by rank, and the partial sums add up to the whole MLP: the check the notebook runs against the ranks."""
+    from safetensors import safe_open
+
+    folder, _ = tiny[torch.float32]
+    ref = load()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        wg, wu, wd = (f.get_tensor(f"model.layers.1.mlp.{m}_proj.weight").double() for m in ("gate", "up", "down"))
+    x = torch.randn(3, wg.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    F = torch.nn.functional
+    whole = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    for world in (1, 2, 4):
+        course = [tp.mlp_partial(folder, 1, x, rank=r, world=world) for r in range(world)]
+        mine = [ref.row_parallel_linear(F.silu(ref.column_parallel_linear(x, wg, r, world))
+                                        * ref.column_parallel_linear(x, wu, r, world), wd, r, world) for r in range(world)]
+        assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(course, mine))
+        assert torch.allclose(sum(course), whole, rtol=1e-10, atol=1e-10)
 
 
 def test_graph_mode_needs_a_gpu(tiny):
@@ -447,10 +467,10 @@ def load(answers=None):
 
 def test_references_pass():
     ref = load()
-    ref.check_bus_factor(ref.bus_factor)
-    ref.check_column_parallel(ref.column_parallel_linear)
-    ref.check_row_parallel(ref.row_parallel_linear)
-    ref.check_collectives_per_token(ref.collectives_per_token)
+    graders.check_bus_factor(ref.bus_factor)
+    graders.check_column_parallel(ref.column_parallel_linear)
+    graders.check_row_parallel(ref.row_parallel_linear)
+    graders.check_collectives_per_token(ref.collectives_per_token)
 
 
 ALTERNATIVES = {
@@ -467,7 +487,7 @@ def test_alternative_answers_pass(exercise):
     checker, fn = {"6.1": ("check_bus_factor", "bus_factor"), "6.2": ("check_column_parallel", "column_parallel_linear"),
                    "6.3": ("check_row_parallel", "row_parallel_linear"),
                    "6.4": ("check_collectives_per_token", "collectives_per_token")}[exercise]
-    getattr(mod, checker)(getattr(mod, fn))
+    getattr(graders, checker)(getattr(mod, fn))
 
 
 WRONG = [
@@ -499,7 +519,7 @@ WRONG = [
 def test_wrong_answers_fail_with_their_hint(exercise, code, checker, fn, hint):
     mod = load({exercise: code})
     with pytest.raises(ExerciseFailed, match=hint):
-        getattr(mod, checker)(getattr(mod, fn))
+        getattr(graders, checker)(getattr(mod, fn))
 
 
 def test_lab_with_a_wrong_answer_stops_at_its_grade(tmp_path, build_dir):

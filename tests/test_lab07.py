@@ -1,6 +1,7 @@
 """Lab 07: the divergence finder names the injected module for every fault, the faults' kernels match their
 definitions (the lane model against utils.simt), the traces classify kernels by role and library, and the graders
-pass right answers and fail wrong ones with their hint. A tiny random Llama (same modules as SmolLM2) stands in."""
+(utils/graders/lab07.py) pass right answers and fail wrong ones with their hint. A tiny random Llama (same
+modules as SmolLM2) stands in."""
 import copy
 import math
 
@@ -10,8 +11,9 @@ import torch
 
 from grading import run_lab_with, stream_text
 from utils import simt, solutions
-from utils.clinic import divergence as dv, faults, traces
+from utils.clinic import divergence as dv, doctor, faults, traces
 from utils.exercises import ExerciseFailed
+from utils.graders import lab07 as graders
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -290,13 +292,13 @@ RUNNABLE_WRONG = [
 
 
 def test_grader_7_1(ref):
-    ref.check_runnable_target(ref.runnable_target)
+    graders.check_runnable_target(ref.runnable_target)
     alt = _answers("7.1", RUNNABLE_ALT)
-    alt.check_runnable_target(alt.runnable_target)
+    graders.check_runnable_target(alt.runnable_target)
     for code, hint in RUNNABLE_WRONG:
         wrong = _answers("7.1", code)
         with pytest.raises(ExerciseFailed, match=hint):
-            wrong.check_runnable_target(wrong.runnable_target)
+            graders.check_runnable_target(wrong.runnable_target)
 
 
 CULPRIT_ALT = """\
@@ -313,14 +315,22 @@ CULPRIT_WRONG = [
 ]
 
 
+def test_the_doctor_takes_the_learners_runnable_target():
+    """Lab 07 passes the learner's 7.1 to the verdict: it decides which entry of the build runs."""
+    facts = doctor.load_fixture("gfx1151")
+    assert doctor.verdict(facts).level == doctor.UNSUPPORTED
+    v = doctor.verdict(facts, runnable=lambda arch, arch_list: "gfx11-generic")
+    assert v.level == doctor.COMPATIBLE and v.runs == "gfx11-generic"
+
+
 def test_grader_7_2(ref):
-    ref.check_culprit(ref.culprit)
+    graders.check_culprit(ref.culprit)
     alt = _answers("7.2", "    import math\n" + CULPRIT_ALT)
-    alt.check_culprit(alt.culprit)
+    graders.check_culprit(alt.culprit)
     for code, hint in CULPRIT_WRONG:
         wrong = _answers("7.2", code)
         with pytest.raises(ExerciseFailed, match=hint):
-            wrong.check_culprit(wrong.culprit)
+            graders.check_culprit(wrong.culprit)
 
 
 GEMV_WRONG = [
@@ -336,13 +346,13 @@ GEMV_WRONG = [
 
 def test_grader_7_3(ref, tiny):
     model, captured, tokens = tiny
-    ref.check_gemv(ref.gemv, model, captured, tokens, 6)
+    graders.check_gemv(ref.gemv, model, captured, tokens, 6)
     alt = _answers("7.3", "    return torch.nn.functional.linear(x, weight)")    # the library sums in fp32 too
-    alt.check_gemv(alt.gemv, model, captured, tokens, 6)
+    graders.check_gemv(alt.gemv, model, captured, tokens, 6)
     for code, hint in GEMV_WRONG:
         wrong = solutions.load("07", answers={"7.3": "    from utils.clinic import faults\n" + code if "faults" in code else code})
         with pytest.raises(ExerciseFailed, match=hint):
-            wrong.check_gemv(wrong.gemv)
+            graders.check_gemv(wrong.gemv)
 
 
 MASK_ALT = """\
@@ -368,22 +378,22 @@ MASK_WRONG = [
 
 def test_grader_7_4(ref, tiny):
     model, captured, tokens = tiny
-    ref.check_keep_mask(ref.keep_mask, model, captured, tokens, 6)
+    graders.check_keep_mask(ref.keep_mask, model, captured, tokens, 6)
     alt = _answers("7.4", MASK_ALT)
-    alt.check_keep_mask(alt.keep_mask, model, captured, tokens, 6)
+    graders.check_keep_mask(alt.keep_mask, model, captured, tokens, 6)
     assert model.config._attn_implementation == "sdpa"
     for code, hint in MASK_WRONG:
         wrong = _answers("7.4", "    from utils.clinic import faults\n" + code)
         with pytest.raises(ExerciseFailed, match=hint):
-            wrong.check_keep_mask(wrong.keep_mask)
+            graders.check_keep_mask(wrong.keep_mask)
 
 
-def test_grader_7_4_also_runs_the_model(tiny, ref, monkeypatch):
+def test_grader_7_4_also_runs_the_model(tiny, monkeypatch):
     """With the table cases out of the way, the model run alone catches a wrong mask."""
     model, captured, tokens = tiny
-    monkeypatch.setattr(ref, "MASK_CASES", [])
+    monkeypatch.setattr(graders, "MASK_CASES", [])
     with pytest.raises(ExerciseFailed, match="no module diverges"):
-        ref.check_keep_mask(faults.keep_right_padded, model, captured, tokens, 6)
+        graders.check_keep_mask(faults.keep_right_padded, model, captured, tokens, 6)
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -391,15 +401,15 @@ def test_grader_7_5(ref, tiny):
     model, captured, _ = tiny
     with faults.inject(model, "d"):
         found = dv.find(captured, model)
-    ref.check_prediction(ref.predicted_rope_culprit, found)
+    graders.check_prediction(ref.predicted_rope_culprit, found)
     for guess, hint in (("model.layers.0.self_attn", "applied inside attention"), ("lm_head", "Which module computes")):
         wrong = _answers("7.5", f"    return {guess!r}")
         with pytest.raises(ExerciseFailed, match=hint):
-            wrong.check_prediction(wrong.predicted_rope_culprit, found)
+            graders.check_prediction(wrong.predicted_rope_culprit, found)
     with pytest.raises(ExerciseFailed, match="a module name"):
-        ref.check_prediction(lambda: None, found)
+        graders.check_prediction(lambda: None, found)
     alt = _answers("7.5", '    return ".".join(["model", "rotary_emb"])')
-    alt.check_prediction(alt.predicted_rope_culprit, found)
+    graders.check_prediction(alt.predicted_rope_culprit, found)
 
 
 def test_the_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path, build_dir):

@@ -1,7 +1,7 @@
 """rocm-cuda-labs' Python package: a small kit the notebooks import, one subpackage per lab family, the
 machinery that runs and builds the course, and a floor they all stand on. Imports run one way, downwards:
-machinery -> lab families -> kit -> base. Import the module you need (`from utils import timing`); this file
-imports nothing.
+machinery -> graders -> lab families -> kit -> base. Import the module you need (`from utils import timing`);
+this file imports nothing.
 
 The kit (what a lab's notebook imports):
     course      a lab's one setup call: its parameters checked, the device, the report, the grader
@@ -23,6 +23,10 @@ Lab families:
                 transformers serve), loadgen
     multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), tp (tensor parallelism)
     clinic/     lab 07: doctor, divergence, faults, traces
+
+The graders (the notebooks import them; one module per lab):
+    graders/    lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07: each exercise's checker with its cases
+                and hints, out of the lesson's way
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):
     machinery/  harness, labs, report, executed, preflight, workspace (a hub learner's folder)

@@ -12,7 +12,7 @@ runnable. In a plain function the stub raises `NotImplementedError("exercise not
 `@triton.jit` function it is `pass  # exercise not done: ...`, so the kernel still compiles and the lab's
 wrapper asks `utils.exercises.unfinished(kernel)` instead. Outputs are cleared.
 
-Cells tagged `export` hold a lab's public kernels, wrappers and checkers. `load(lab)` writes them to
+Cells tagged `export` hold a lab's public kernels and wrappers. `load(lab)` writes them to
 `build/export/<lab>.py` and imports it, so tests (and a lab whose exercise is unfinished) reach the
 reference code without copying it; `load(lab, answers={"3.2": code})` substitutes other answers into the
 regions first, `load(lab, stubs=True)` gives the learner's unfinished version.

@@ -170,8 +170,9 @@ def _install_torch(kind: str) -> str:
     return backend.get(kind).install_torch
 
 
-def verdict(facts: Facts) -> Verdict:
-    """Whether this stack can run the course's GPU code, and why. Pure: it reads only `facts`."""
+def verdict(facts: Facts, *, runnable=runnable_target) -> Verdict:
+    """Whether this stack can run the course's GPU code, and why. Pure: it reads only `facts`. `runnable(arch,
+    arch_list)` picks the build's entry a GPU runs (lab 07 passes the learner's, exercise 7.1)."""
     if not facts.torch:
         return Verdict(UNSUPPORTED, facts.hw_arch, None, ("PyTorch is not installed",),
                        ("make run (installs the course), or pip install torch",))
@@ -187,11 +188,11 @@ def verdict(facts: Facts) -> Verdict:
                        (f"no GPU here; PyTorch {facts.torch} runs on the CPU: the labs use small sizes and "
                         "Triton's interpreter, and compile AMD and NVIDIA machine code ahead of time",))
     if facts.torch_cuda:
-        return _verdict_cuda(facts, hw_vendor)
-    return _verdict_rocm(facts, hw_vendor)
+        return _verdict_cuda(facts, hw_vendor, runnable)
+    return _verdict_rocm(facts, hw_vendor, runnable)
 
 
-def _verdict_cuda(facts: Facts, hw_vendor) -> Verdict:
+def _verdict_cuda(facts: Facts, hw_vendor, runnable) -> Verdict:
     cuda_major = int(str(facts.torch_cuda).split(".")[0])
     need = MIN_DRIVER_FOR_CUDA.get(cuda_major)
     reasons, install = [], []
@@ -216,7 +217,7 @@ def _verdict_cuda(facts: Facts, hw_vendor) -> Verdict:
                        (f"the driver reports {facts.hw_gpu}, but PyTorch sees no GPU"
                         + (f" (CUDA_VISIBLE_DEVICES={hidden['CUDA_VISIBLE_DEVICES']!r})" if hidden else ""),),
                        ("unset CUDA_VISIBLE_DEVICES or name the GPU's index", "check `nvidia-smi` and the driver install"))
-    target = runnable_target(arch, facts.arch_list)
+    target = runnable(arch, facts.arch_list)
     if need and facts.driver:
         reasons.append(f"driver {facts.driver} fits PyTorch's CUDA {facts.torch_cuda} (needs >= {need})")
     if target is None:
@@ -235,7 +236,7 @@ def _verdict_cuda(facts: Facts, hw_vendor) -> Verdict:
                    (f"for native kernels: a PyTorch build with {arch} in get_arch_list()",))
 
 
-def _verdict_rocm(facts: Facts, hw_vendor) -> Verdict:
+def _verdict_rocm(facts: Facts, hw_vendor, runnable) -> Verdict:
     if hw_vendor == "NVIDIA":
         return Verdict(UNSUPPORTED, facts.hw_arch, None,
                        (f"PyTorch {facts.torch} is a ROCm build, but the GPU is NVIDIA's {facts.hw_gpu or facts.hw_arch}",),
@@ -280,7 +281,7 @@ def _verdict_rocm(facts: Facts, hw_vendor) -> Verdict:
                            (f"for native kernels: a PyTorch build with {real} in get_arch_list()",))
     if facts.torch_arch and facts.torch_arch != real:
         reasons.append(f"PyTorch reports {facts.torch_arch} for a {real}")
-    target = runnable_target(real, facts.arch_list)
+    target = runnable(real, facts.arch_list)
     if target == real:
         lanes = f", {facts.warp_size}-lane wavefronts" if facts.warp_size else ""
         return Verdict(SUPPORTED, real, real, (*reasons, f"PyTorch ships {real} machine code{lanes}"))

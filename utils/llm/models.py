@@ -80,12 +80,14 @@ def weight_bytes(model) -> int:
 
 
 def decode_ceiling(bandwidth_gbps: float, bytes_per_token: float) -> float:
-    """Batch-1 decode ceiling, tokens/s: every token reads ``bytes_per_token`` at ``bandwidth_gbps``."""
+    """Batch-1 decode ceiling, tokens/s: every token reads ``bytes_per_token`` at ``bandwidth_gbps``.
+    For code outside lab 05 (``bench/lean_decode.py``): the lab itself uses the learner's (exercise 5.1)."""
     return bandwidth_gbps * 1e9 / bytes_per_token
 
 
 def kv_bytes_per_token(config, dtype_bytes: float = 2) -> float:
-    """KV-cache bytes one token occupies: K and V, in every layer, for every KV head."""
+    """KV-cache bytes one token occupies: K and V, in every layer, for every KV head. For code outside lab 05
+    (``bench/lean_decode.py``): the lab itself uses the learner's (exercise 5.2)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
 

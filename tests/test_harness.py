@@ -1,5 +1,6 @@
 """The `make run` harness: a failing lab does not stop the others, an interrupted run says so, parameters
-are checked before anything runs, nothing hangs, and corrupt state does not block a run."""
+are checked before anything runs, nothing hangs, corrupt state does not block a run, a slow lab says where it is,
+and the kernels' noise stays out."""
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from conftest import ROOT
 from utils.base import processes
-from utils.machinery import harness
+from utils.machinery import harness, narrate
 
 
 DEVICE_LINE = 'DEVICE = "auto"  # choice auto|cpu|gpu|cuda|rocm: where it runs'
@@ -223,3 +224,63 @@ def test_a_full_disk_at_the_run_lock_is_named_with_the_fix(tmp_path, build_dir, 
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {build_dir / 'run.lock'}: its disk is full"), err
     assert "free some space on it, or set COURSE_BUILD_DIR to a folder on another disk" in err
+
+
+def test_a_slow_lab_says_where_it_is_and_that_it_is_slower_than_usual(tmp_path, build_dir, capfd, monkeypatch):
+    """A line every COURSE_NARRATE_SECONDS with the lab, its section, its cell and the time so far; once the lab
+    runs far past its last ok run on this device (faked: 0.2 s), one line saying so, with the machine's load."""
+    nb = write_nb(tmp_path / "85_slow.ipynb", "import time", "time.sleep(3)")
+    book = nbformat.read(nb, as_version=4)
+    book.cells.insert(2, nbformat.v4.new_markdown_cell("# The lab\n\n## 3. The slow part\nIt sleeps."))
+    nbformat.write(book, nb)
+    build_dir.mkdir(parents=True)
+    (build_dir / "status.json").write_text(json.dumps({
+        "run": {"id": "earlier", "device": "cpu"},
+        "labs": {"85_slow": {"status": "ok", "seconds": 0.2, "run_id": "earlier", "device": "cpu"}}}))
+    monkeypatch.setenv(narrate.INTERVAL_VAR, "0.5")
+    assert harness.main(["run", "--device", "cpu", str(nb)]) == 0
+    out = capfd.readouterr().out
+    assert "  85_slow  § 3. The slow part  cell 3/3 (for " in out, out
+    slow = [line.strip() for line in out.splitlines() if "slower than usual" in line]
+    assert len(slow) == 1, out
+    assert slow[0].startswith("85_slow is slower than usual: ") and "in its last ok run on cpu (run earlier)" in slow[0]
+    assert "load average" in slow[0] and "cores" in slow[0]
+    assert status_of(build_dir)["labs"]["85_slow"]["device"] == "cpu"
+
+
+def test_the_usual_seconds_come_from_the_same_device(tmp_path):
+    """A lab's usual time is its last ok run on the same device; a CPU run without one falls back on the
+    course's recorded CPU figures (docs/instructor.md)."""
+    status = {"run": {"id": "r2", "device": "cpu"},
+              "labs": {"01_vector_add": {"status": "ok", "seconds": 9.6, "run_id": "r2"},
+                       "02_wavefront_vs_warp": {"status": "ok", "seconds": 170.0, "run_id": "r1", "device": "gpu"},
+                       "03_bf16_matmul": {"status": "failed", "seconds": 1.0, "run_id": "r2"},
+                       "85_x": {"status": "ok", "seconds": 2.0, "run_id": "r0"}}}
+    cpu = narrate.usual_seconds(status, "cpu")
+    assert cpu["01_vector_add"].seconds == 9.6 and "last ok run on cpu (run r2)" in cpu["01_vector_add"].source
+    recorded = narrate.recorded_cpu_seconds()
+    assert set(recorded) >= {"00", "05", "07"}
+    assert cpu["02_wavefront_vs_warp"].seconds == recorded["02"] and "docs/instructor.md" in \
+        cpu["02_wavefront_vs_warp"].source
+    assert cpu["03_bf16_matmul"].seconds == recorded["03"] and "85_x" not in cpu
+    gpu = narrate.usual_seconds(status, "gpu")
+    assert set(gpu) == {"02_wavefront_vs_warp"}
+    busy = narrate.slow_note("05_llm_serving", 420, narrate.Usual(39.0, "in its last ok run"), 7.9, 2)
+    assert "7 min 00 s so far, 39 s in its last ok run; the machine is busy (load average 7.9 on 2 cores" in busy
+
+
+def test_a_run_keeps_the_kernels_noise_out(tmp_path, build_dir, capfd, monkeypatch):
+    """No "Kernel is running over TCP without encryption" warning from ipykernel (the connection is encrypted),
+    and no SIGINT to the kernel at its shutdown (a cell here keeps its own SIGINT handler, which would mark it;
+    jupyter_client's stock shutdown sends one, which prints "KeyboardInterrupt caught in kernel")."""
+    mark = tmp_path / "sigint"
+    monkeypatch.setenv("MARK", str(mark))
+    nb = write_nb(tmp_path / "86_quiet.ipynb",
+                  "import os, pathlib, signal\nkernel = get_ipython().kernel\n"
+                  "kernel.pre_handler_hook = kernel.post_handler_hook = lambda: None   # keep the handler below\n"
+                  "signal.signal(signal.SIGINT, lambda *_: pathlib.Path(os.environ['MARK']).write_text('SIGINT'))")
+    assert harness.main(["run", "--device", "cpu", str(nb)]) == 0
+    out, err = capfd.readouterr()
+    assert "without encryption" not in out + err and "KeyboardInterrupt" not in out + err, out + err
+    assert not mark.exists(), "the kernel got a SIGINT at its shutdown"
+    assert status_of(build_dir)["labs"]["86_quiet"]["status"] == "ok"

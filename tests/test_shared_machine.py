@@ -144,7 +144,7 @@ def test_the_hub_hook_prepares_a_learners_folder_as_the_learner(second_users, tm
     spawner = types.SimpleNamespace(user=types.SimpleNamespace(name=learner.pw_name), environment={})
     ns["prepare"](spawner)
     folder = Path(learner.pw_dir) / "rocm-cuda-labs"
-    for path in (folder, folder / "build", folder / "labs", folder / "labs" / "00_environment.ipynb"):
+    for path in (folder, folder / "build", folder / "work", folder / "work" / "00_environment.ipynb"):
         assert os.lstat(path).st_uid == learner.pw_uid, path
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and (folder / "solutions").is_symlink()
     assert spawner.environment["COURSE_BUILD_DIR"] == str(folder / "build")

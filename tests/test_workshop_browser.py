@@ -1,8 +1,9 @@
 """`make lab` in a real browser (headless Chromium driven by Selenium), as a learner uses it.
 
-In a fresh copy of the checkout: `make lab` starts (with --allow-root as root), the browser lands on lab 00
-at the repo root, nothing is marked changed, no news pop-up and no nbgrader; lab 00 with its exercises
-solved through the editor passes under Run All with a rendered plot; with a wrong answer the hint shows.
+In a fresh copy of the checkout: `make lab` starts (with --allow-root as root), makes the learner's work/ and the
+browser lands on work/00 at the repo root, nothing is marked changed, no news pop-up and no nbgrader; lab 00 with
+its exercises solved through the editor passes under Run All with a rendered plot, and once saved survives
+`make labs`; with a wrong answer the hint shows.
 Screenshots go to build/workshop/ (CI artifacts). Run by `make test-workshop`, which installs Chromium,
 chromium-driver and selenium; `make test` skips this module.
 """
@@ -26,6 +27,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 from utils import solutions  # noqa: E402
+from utils.graders import lab00 as graders  # noqa: E402
 from utils.exercises import ExerciseFailed  # noqa: E402
 
 from workshop_support import copy_checkout, free_port, wait_until_serving  # noqa: E402
@@ -37,18 +39,28 @@ TOKEN = "workshop-browser-test"
 WRONG = "return None"
 
 
+def make_args(copy: Path) -> list[str]:
+    """`make` in the copy, its install taken as done (the copy's .venv is this checkout's)."""
+    stamps = [p.name for p in (copy / ".venv").iterdir() if p.name.startswith(".installed-")]
+    return ["make", "--no-print-directory", *[f"-o.venv/{s}" for s in stamps]]
+
+
+def learner_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "COURSE_BUILD_DIR"))}
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """`make lab` in a copy of the checkout; yields (base url, log path, copy); stops its process group."""
     copy = copy_checkout(tmp_path_factory.mktemp("checkout"))
+    assert not (copy / "work").exists(), "the copy of the checkout has a work/ (it is git-ignored)"
     port = free_port()
-    stamps = [p.name for p in (copy / ".venv").iterdir() if p.name.startswith(".installed-")]
     log_path = ARTIFACTS / "make-lab.log"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "COURSE_BUILD_DIR"))}
+    env = learner_env()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            ["make", "--no-print-directory", *[f"-o.venv/{s}" for s in stamps], "lab",
+            [*make_args(copy), "lab",
              f"LAB_ARGS=--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port} "
              f"--IdentityProvider.token={TOKEN}"],
             cwd=copy, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -70,9 +82,10 @@ def lab(tmp_path_factory):
 
 @pytest.fixture
 def browser(lab):
-    """A fresh Chromium per test, on a fresh copy of lab 00 (JupyterLab may have autosaved the last one)."""
+    """A fresh Chromium per test, on a fresh copy of the learner's lab 00 (JupyterLab may have autosaved the last
+    one)."""
     _, _, copy = lab
-    shutil.copy2(solutions.LABS / f"{LAB}.ipynb", copy / "labs" / f"{LAB}.ipynb")
+    shutil.copy2(solutions.LABS / f"{LAB}.ipynb", copy / "work" / f"{LAB}.ipynb")
     opts = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         opts.add_argument(arg)
@@ -185,13 +198,13 @@ def one_line_answers() -> dict[str, str]:
 
 
 def expected_hint(exercise: str) -> str:
-    """The hint lab 00's checker gives for WRONG in `exercise`, from the exported module (no browser)."""
+    """The hint lab 00's grader gives for WRONG in `exercise`, with the exported module's answer (no browser)."""
     nb = solutions.read(solutions.notebook_path(LAB))
     grade = next(c.source for c in nb.cells if f'ex.grade("{exercise}"' in c.source)
     checker, fn = re.search(rf'ex\.grade\("{re.escape(exercise)}",\s*"[^"]*",\s*(\w+),\s*(\w+)', grade).groups()
     module = solutions.load(LAB, answers={exercise: WRONG})
-    with pytest.raises(ExerciseFailed) as failed:
-        getattr(module, checker)(getattr(module, fn))
+    with pytest.raises(ExerciseFailed) as failed:     # the checker is in utils/graders/lab00.py
+        getattr(graders, checker)(getattr(module, fn))
     return str(failed.value)
 
 
@@ -208,7 +221,7 @@ def shot(driver, name: str, show: str | None = None):
 def test_make_lab_opens_lab00_at_the_repo_root_clean(lab, browser):
     base, log_path, _ = lab
     open_lab00(browser, base)
-    assert browser.current_url.startswith(f"{base}/lab/tree/labs/{LAB}.ipynb"), browser.current_url
+    assert browser.current_url.startswith(f"{base}/lab/tree/work/{LAB}.ipynb"), browser.current_url
     time.sleep(4)   # the kernel's info arrives after idle: a metadata mismatch would mark the tab now
     shot(browser, "1-lab00-opened")
     assert dirty_tabs(browser) == [], "opening lab 00 marked it changed"
@@ -217,12 +230,12 @@ def test_make_lab_opens_lab00_at_the_repo_root_clean(lab, browser):
     menus = js(browser, "return Array.from(document.querySelectorAll('.lm-MenuBar-itemLabel')).map(e => e.textContent);")
     assert "Run" in menus and not any("grader" in m.lower() for m in menus), menus
     assert "Create Assignment" not in text and "Formgrader" not in text
-    # the file browser's root is the repo: labs/ and solutions/ one click away
+    # the file browser's root is the repo: work/ (the learner's copy, made by `make lab`) and solutions/ one click away
     browser.find_element(By.CSS_SELECTOR, ".jp-BreadCrumbs-home").click()
     listing = "return Array.from(document.querySelectorAll('.jp-DirListing-itemText')).map(e => e.textContent);"
     try:
-        wait("labs/ and solutions/ in the root listing",
-             lambda: {"labs", "solutions", "utils"} <= set(js(browser, listing)), timeout=15)
+        wait("work/, labs/ and solutions/ in the root listing",
+             lambda: {"work", "labs", "solutions", "utils"} <= set(js(browser, listing)), timeout=15)
     finally:
         shot(browser, "1b-file-browser-root")
     # a solution (its metadata may be incomplete) opens clean too
@@ -238,8 +251,8 @@ def test_make_lab_opens_lab00_at_the_repo_root_clean(lab, browser):
     assert "nbgrader" not in log.lower(), "nbgrader's server extensions were loaded for a learner"
 
 
-def test_run_all_with_the_exercises_solved_passes_and_plots(lab, browser):
-    base, _, _ = lab
+def test_run_all_with_the_exercises_solved_passes_and_plots_and_survives_make_labs(lab, browser):
+    base, _, copy = lab
     open_lab00(browser, base)
     answers = one_line_answers()
     for exercise, code in answers.items():
@@ -259,6 +272,17 @@ def test_run_all_with_the_exercises_solved_passes_and_plots(lab, browser):
     prompts = panel(browser, "return Array.from(P.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt'))"
                           ".map(p => p.textContent.trim());")
     assert prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts), prompts
+    # saved (Ctrl+S), the solved notebook is the learner's: `make labs` regenerates labs/ and leaves it as it is
+    mine = copy / "work" / f"{LAB}.ipynb"
+    webdriver.ActionChains(browser).key_down(Keys.CONTROL).send_keys("s").key_up(Keys.CONTROL).perform()
+    wait("the notebook saved", lambda: not dirty_tabs(browser) and all(
+        code in mine.read_text() for code in answers.values()), timeout=30)
+    saved = mine.read_bytes()
+    (copy / "labs" / f"{LAB}.ipynb").write_text("{}")        # labs/ out of date: `make labs` rewrites it
+    out = subprocess.run([*make_args(copy), "labs"], cwd=copy, env=learner_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (copy / "labs" / f"{LAB}.ipynb").read_bytes() == (solutions.LABS / f"{LAB}.ipynb").read_bytes()
+    assert mine.read_bytes() == saved and "PASS: exercise" in mine.read_text()
 
 
 def test_a_wrong_answer_shows_the_checkers_hint(lab, browser):
@@ -284,8 +308,8 @@ ALL_LABS = sorted(p.stem for p in solutions.LABS.glob("*.ipynb"))
 def test_run_all_reaches_the_end_of_every_unfinished_lab(lab, browser, name):
     """The generated lab as a learner first opens it, exercises unfinished: Run All runs every code cell."""
     base, _, copy = lab
-    shutil.copy2(solutions.LABS / f"{name}.ipynb", copy / "labs" / f"{name}.ipynb")
-    browser.get(f"{base}/lab/tree/labs/{name}.ipynb?token={TOKEN}")
+    shutil.copy2(solutions.LABS / f"{name}.ipynb", copy / "work" / f"{name}.ipynb")
+    browser.get(f"{base}/lab/tree/work/{name}.ipynb?token={TOKEN}")
     wait(f"{name} open", lambda: js(browser, "const t = document.querySelector("
          "'.lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel');"
          "return !!t && t.textContent;") == f"{name}.ipynb"

@@ -134,7 +134,7 @@ async def run_notebook(base: str, user: str, lab: str) -> dict:
     notebook's path), OVERRIDES after the parameters cell, stopping at the first error."""
     prefix = f"/user/{user}/api"
     loop = asyncio.get_running_loop()
-    path = f"labs/{lab}.ipynb"
+    path = f"work/{lab}.ipynb"       # the learner's copy (utils/machinery/workspace.py)
     nb = (await loop.run_in_executor(None, api, base, f"{prefix}/contents/{path}"))["content"]
     session = await loop.run_in_executor(None, lambda: api(base, f"{prefix}/sessions", "POST", {
         "path": path, "name": f"{lab}.ipynb", "type": "notebook", "kernel": {"name": "python3"}}))

@@ -102,7 +102,7 @@ def test_hub_config_gives_each_learner_their_own_folders(tmp_path, monkeypatch):
         ns["prepare"](spawner)
         envs[name] = spawner.environment
         work = tmp_path / "homes" / name / "rocm-cuda-labs"
-        assert (work / "labs" / "00_environment.ipynb").is_file() and (work / "solutions").is_symlink()
+        assert (work / "work" / "00_environment.ipynb").is_file() and (work / "solutions").is_symlink()
         assert spawner.environment["COURSE_BUILD_DIR"] == str(work / "build")
         assert spawner.environment["JUPYTER_CONFIG_PATH"] == str(ROOT / "jupyter")
         assert spawner.environment["CUDA_VISIBLE_DEVICES"] in ("0", "1")

@@ -29,7 +29,8 @@ The graders (the notebooks import them; one module per lab):
                 and hints, out of the lesson's way
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):
-    machinery/  harness, labs, report, executed, preflight, workspace (a hub learner's folder)
+    machinery/  harness, labs, learner (work/: the learner's copy, its updates, progress), narrate (what a run says
+                while a lab runs), report, executed, preflight, workspace (a hub learner's folder)
 
 The floor (imports nothing else of the course):
     base/       paths (files, build folder, course.env, ports), state (safe state files), processes

@@ -13,13 +13,17 @@ notebook goes on. Finished and right -> `PASS: ...`, True. Finished and wrong ->
 the checker's hint, which stops Run All there: a wrong answer must not pass silently.
 `answer` hands later cells the learner's function when it passed, otherwise the course's reference
 (the solution notebook's exported cells) with a printed note, so measurements, plots and machine code
-still run. Results go to `build/progress.json` (`make progress`).
+still run. Results go to `build/progress.json` (`make progress`), each verdict with a hash of the graded
+functions' source (`answer_hashes`), so that progress can tell an answer changed since it was graded.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import inspect
 import os
+import re
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +41,64 @@ def _source(fn) -> str:
         return inspect.getsource(target)
     except (OSError, TypeError):
         return ""
+
+
+_DEF_LINE = re.compile(r"^(?P<indent>[ \t]*)(async[ \t]+)?def[ \t]+(?P<name>\w+)")
+
+
+def function_sources(text: str, name: str | None = None) -> list[str]:
+    """Every `def` block in `text` (a cell's source, or a function's) named `name` (any name if None): its
+    def line and the lines indented under it."""
+    lines, found = text.split("\n"), []
+    for i, line in enumerate(lines):
+        m = _DEF_LINE.match(line)
+        if not m or (name is not None and m.group("name") != name):
+            continue
+        indent, j = len(m.group("indent")), i + 1
+        while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
+            j += 1
+        found.append("\n".join(lines[i:j]))
+    return found
+
+
+def source_hash(source: str) -> str:
+    """A hash of a function's source that ignores what JupyterLab or Triton may change around it: decorators,
+    the indentation of the whole, trailing spaces and blank lines."""
+    block = (function_sources(source) or [source])[0]
+    lines = [line.rstrip() for line in textwrap.dedent(block).split("\n") if line.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _graded_functions(fns) -> dict[str, object]:
+    """{name: function} for the functions and kernels among `fns`; a lambda stands for the functions it calls
+    by name, global or from its closure (`lambda: check(f())` grades f)."""
+    out = {}
+    for fn in fns:
+        target = getattr(fn, "fn", fn)
+        if not inspect.isfunction(target):
+            continue
+        if target.__name__ != "<lambda>":
+            out.setdefault(target.__name__, fn)
+            continue
+        codes, names = [target.__code__], []
+        while codes:
+            code = codes.pop()
+            names += code.co_names
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+        called = [target.__globals__.get(n) for n in names]
+        for cell in target.__closure__ or ():
+            try:
+                called.append(cell.cell_contents)
+            except ValueError:     # a closure variable not bound yet
+                pass
+        out.update({k: v for k, v in _graded_functions(called).items() if k not in out})
+    return out
+
+
+def answer_hashes(*fns) -> dict[str, str]:
+    """{function name: `source_hash` of its source} for the functions graded (a `grade`'s arguments and
+    `uses`), recorded with the verdict."""
+    return {name: source_hash(src) for name, fn in _graded_functions(fns).items() if (src := _source(fn))}
 
 
 def unfinished(*fns) -> bool:
@@ -88,20 +150,21 @@ class Lab:
         self.titles[exercise] = title
         if unfinished(*uses):
             return self._not_done(exercise, title)
+        answer = answer_hashes(checker, *args, *uses)
         try:
             checker(*args)
         except ExerciseFailed:
-            self._set(exercise, title, "failed")
+            self._set(exercise, title, "failed", answer)
             raise
         except AssertionError as exc:           # a checker's own assert: the same verdict
-            self._set(exercise, title, "failed")
+            self._set(exercise, title, "failed", answer)
             raise ExerciseFailed(f"exercise {exercise} ({title}): {exc}") from None
         except Exception as exc:
             if _is_not_done(exc):
                 return self._not_done(exercise, title)
-            self._set(exercise, title, "failed")
+            self._set(exercise, title, "failed", answer)
             raise
-        self._set(exercise, title, "passed")
+        self._set(exercise, title, "passed", answer)
         print(f"PASS: exercise {exercise} ({title})")
         return True
 
@@ -154,25 +217,28 @@ class Lab:
               "re-run that cell, then this one")
         return False
 
-    def _set(self, exercise: str, title: str, status: str) -> None:
+    def _set(self, exercise: str, title: str, status: str, answer: dict | None = None) -> None:
         self.status[exercise] = status
-        _record(exercise, title, status, lab=self.lab)
+        _record(exercise, title, status, lab=self.lab, answer=answer)
 
 
 def progress_path() -> Path:
     return build_dir() / "progress.json"
 
 
-def _record(exercise: str, title: str, status: str, *, lab: str) -> None:
+def _record(exercise: str, title: str, status: str, *, lab: str, answer: dict | None = None) -> None:
     """Remember the latest verdict of an exercise in build/progress.json, per folder the notebook ran in
-    (`labs` for the learner's work, `solutions` for the course's)."""
+    (`work` for the learner's copy, `labs` on a workshop hub, `solutions` for the course's), with `answer`:
+    {function name: source hash} of what was graded."""
     where = Path.cwd().name
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
     def change(data):
         data = data if isinstance(data, dict) else {}
-        data.setdefault(where, {}).setdefault(lab, {})[exercise] = {"title": title, "status": status,
-                                                                    "when": stamp, "pid": os.getpid()}
+        entry = {"title": title, "status": status, "when": stamp, "pid": os.getpid()}
+        if answer:
+            entry["answer"] = answer
+        data.setdefault(where, {}).setdefault(lab, {})[exercise] = entry
         return data
 
     try:

@@ -3,7 +3,7 @@
     sudo jupyterhub -f docs/jupyterhub/jupyterhub_config.py        # from the course's environment
 
 Every learner gets a JupyterLab with the course's settings (jupyter/: no news pop-up, no nbgrader), their
-own copy of labs/ (solutions/ is a read-only link to the shared checkout), and their own build folder,
+own copy of labs/ in work/ (solutions/ is a read-only link to the shared checkout), and their own build folder,
 caches and results (COURSE_BUILD_DIR and the caches under ~/rocm-cuda-labs/build): nothing of one learner
 is written where another's goes, and the shared checkout is only read. Ports: every server gets a free
 one from the spawner, lab 05's server a free one of its own. GPUs: with COURSE_HUB_GPUS="0,1,2,3" each
@@ -57,7 +57,7 @@ c.JupyterHub.cleanup_servers = True      # stopping the hub stops every learner'
 c.JupyterHub.cleanup_proxy = True
 c.Spawner.cmd = [str(BIN / "jupyterhub-singleuser")]
 c.Spawner.notebook_dir = f"~/{WORK}"
-c.Spawner.default_url = "/lab/tree/labs/00_environment.ipynb"
+c.Spawner.default_url = "/lab/tree/work/00_environment.ipynb"
 c.Spawner.start_timeout = 180            # a room starting at once, on a busy machine
 c.Spawner.http_timeout = 180
 
@@ -97,7 +97,7 @@ def environment(spawner) -> dict:
 
 
 def prepare(spawner):
-    """Before a learner's server starts: their own copy of labs/ (kept across restarts: it holds their
+    """Before a learner's server starts: their own copy of labs/ in work/ (kept across restarts: it holds their
     work), solutions/ as a link to the shared checkout, and their private build folder. In a room the hub
     runs as root, so the folder is made by a process running as the learner (utils/machinery/workspace.py):
     root never creates, follows or changes the owner of anything in a learner's home (docs/jupyterhub/README.md)."""

@@ -137,7 +137,7 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -147,7 +147,8 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
                                                           dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        if bars:    # off when HF_HUB_DISABLE_PROGRESS_BARS=1 (course.env): enabling them would only warn
+            hf_logging.enable_progress_bar()
     config = loaded.config
     del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"

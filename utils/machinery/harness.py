@@ -5,14 +5,16 @@
     python -m utils.machinery.harness labs [--check]       labs/ from solutions/ (exercise regions -> stubs)
     python -m utils.machinery.harness outputs [LAB ...]    store the checked cells' outputs in solutions/ (CPU run)
     python -m utils.machinery.harness export               build/export/<lab>.py from the cells tagged `export`
-    python -m utils.machinery.harness progress [--run]     which exercises pass in labs/ on this machine
+    python -m utils.machinery.harness progress [--run]     which exercises are done in work/ (utils.machinery.learner)
 
 `run` executes the notebooks with papermill into `build/executed/`, one after the other. Every run has
 an id; `build/status.json` says, per lab, whether it finished in this run (ok), failed, was interrupted
 or was not reached, and the report never calls a lab "ok" that did not finish in this run. Ctrl-C and
 SIGTERM stop the run cleanly: the kernel is shut down (and with it whatever it started, see
 `utils.base.processes`), the status says "interrupted", and the exit status is 130 or 143. A cell that runs
-longer than `--cell-timeout` seconds fails its lab instead of hanging. Parameters are checked before
+longer than `--cell-timeout` seconds fails its lab instead of hanging. While a lab runs, a line every 25 s
+(COURSE_NARRATE_SECONDS; 0: none) says its section, cell and time so far, and one more says so when it runs far
+longer than its last ok run (`utils.machinery.narrate`). Parameters are checked before
 anything runs: an unknown name is an error that suggests the nearest one, a name only some notebooks
 declare goes to those, and a bad value names the parameter and what it allows.
 """
@@ -32,10 +34,10 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from utils import course, exercises, params, solutions
+from utils import course, params, solutions
 from utils.base import processes, state
 from utils.base.paths import BuildFolderError, UnsafePath, build_dir, private_dir, run_environment
-from utils.machinery import labs, report
+from utils.machinery import labs, learner, narrate, report
 
 DEFAULT_CELL_TIMEOUT = 1800   # seconds; a GPU lab's longest cell (lab 05's sweep) takes a few minutes
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
@@ -152,6 +154,7 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
         print(f"ended an orphaned {rec.get('label', 'process group')} (pgid {rec['pgid']}) left by a dead run")
     run_id = _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     status = report.load_status()
+    usual = narrate.usual_seconds(status, device)    # before this run overwrites the labs' entries
     status["run"] = {"id": run_id, "started": now(), "ended": None, "state": "running", "device": device,
                      "labs": [nb.stem for nb in notebooks]}
     for nb in notebooks:
@@ -173,19 +176,22 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
     for sig in previous:
         signal.signal(sig, terminate)
     bar = tqdm(notebooks, desc="labs", unit="notebook", file=sys.stdout)
+    narrator = narrate.Narrator(bar.write)     # a line every 25 s while a lab runs (COURSE_NARRATE_SECONDS)
     try:
         for nb in bar:
             bar.set_postfix_str(nb.stem)
             out = executed / nb.name
             entry = {"executed": os.path.relpath(out, build.parent), "parameters": plan[nb], "run_id": run_id,
-                     "status": "running", "started": now()}
+                     "status": "running", "started": now(), "device": device}
             status["labs"][nb.stem] = entry
             state.write_json(status_path(), status)
             start = time.perf_counter()
             try:
-                pm.execute_notebook(str(nb), str(out), parameters=plan[nb], cwd=str(nb.parent),
-                                    kernel_name="python3", progress_bar=False, log_output=False,
-                                    execution_timeout=cell_timeout)
+                with narrator.lab(nb, usual.get(nb.stem)):
+                    pm.execute_notebook(str(nb), str(out), parameters=plan[nb], cwd=str(nb.parent),
+                                        kernel_name="python3", progress_bar=False, log_output=False,
+                                        execution_timeout=cell_timeout, on_cell_start=narrator.cell_started,
+                                        kernel_manager_class=narrate.QuietKernelManager)
                 entry["status"] = "ok"
             except KeyboardInterrupt as stop:
                 entry["status"] = "interrupted"
@@ -274,38 +280,17 @@ def regenerate_outputs(notebooks: list[Path]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / nb.name
             pm.execute_notebook(str(nb), str(out), parameters={"DEVICE": "cpu"}, cwd=str(nb.parent),
-                                kernel_name="python3", progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
+                                kernel_name="python3", progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT,
+                                kernel_manager_class=narrate.QuietKernelManager)
             print(f"{nb.name}: {store_outputs(nb, out)} checked cells stored")
 
 
 # --- progress -------------------------------------------------------------------------------------
 
 def progress_table(run: bool = False) -> str:
-    """Per lab, each exercise and its latest verdict in labs/ on this machine (`run`: execute labs/ first)."""
-    if run:
-        import papermill as pm
-
-        os.environ.update(notebook_env())
-        out_dir = build_dir() / "progress-runs"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for nb in sorted(solutions.LABS.glob("*.ipynb")):
-            try:
-                pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(nb.parent), kernel_name="python3",
-                                    progress_bar=False, execution_timeout=DEFAULT_CELL_TIMEOUT)
-            except Exception as exc:   # a wrong answer stops its lab: its verdict is already recorded
-                print(f"{nb.stem}: stopped at {_short_error(exc)}")
-    seen = state.read_json(exercises.progress_path(), {}, what="progress file", shape=dict) or {}
-    mine = seen.get(solutions.LABS.name, {})
-    lines = ["| lab | exercise | status | when |", "|---|---|---|---|"]
-    for path in solutions.solution_notebooks():
-        for ex_id, todo in solutions.exercises(solutions.read(path), path.name).items():
-            entry = mine.get(path.stem, {}).get(ex_id)
-            verdict = entry["status"] if entry else "not run yet"
-            speed = mine.get(path.stem, {}).get(f"{ex_id} speed")
-            if speed:
-                verdict += f" (speed target: {speed['status']})"
-            lines.append(f"| {path.stem} | {todo} | {verdict} | {entry['when'] if entry else ''} |")
-    return "\n".join(lines)
+    """"N of M exercises done" and each exercise's state in the learner's work/ (`run`: execute work/ first);
+    the logic is utils.machinery.learner's."""
+    return learner.progress_table(run=run, cell_timeout=DEFAULT_CELL_TIMEOUT)
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -380,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     outputs = sub.add_parser("outputs", help="store the checked cells' outputs in solutions/ (a CPU run)")
     outputs.add_argument("notebooks", nargs="*", type=Path)
     sub.add_parser("export", help="write build/export/<lab>.py from the cells tagged 'export'")
-    progress = sub.add_parser("progress", help="which exercises pass in labs/ on this machine")
-    progress.add_argument("--run", action="store_true", help="execute the labs first")
+    progress = sub.add_parser("progress", help="which exercises are done in your work/ on this machine")
+    progress.add_argument("--run", action="store_true", help="execute your notebooks in work/ first")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         argv, parameter_pairs = split_parameters(argv)

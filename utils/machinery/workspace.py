@@ -1,4 +1,4 @@
-"""A learner's own folder on a workshop hub (labs/ copied, solutions/ linked, a private build folder), made by
+"""A learner's own folder on a workshop hub (labs/ copied into work/, their copy, solutions/ linked, a private build folder), made by
 the learner's own process, never by root.
 
     python -m utils.machinery.workspace FOLDER --checkout CHECKOUT      # run as the learner (the hub's hook does)
@@ -20,17 +20,17 @@ from utils.base.paths import UnsafePath, private_dir
 
 
 def prepare(folder: Path, checkout: Path) -> None:
-    """FOLDER/labs (a copy, kept across restarts: it holds the learner's work), FOLDER/solutions (a link to the
-    shared checkout's) and FOLDER/build (0700). FOLDER must be a real folder of this user's, or missing."""
+    """FOLDER/work (the learner's copy of the checkout's labs/, kept across restarts: it holds their work, as
+    work/ does in a checkout), FOLDER/solutions (a link to the shared checkout's) and FOLDER/build (0700). FOLDER must be a real folder of this user's, or missing."""
     folder, checkout = Path(folder), Path(checkout)
     private_dir(folder)                                 # refuses a link or another user's folder by name
     private_dir(folder / "build")
     private_dir(folder / "build" / "cache")
-    labs = folder / "labs"
-    if not os.path.lexists(labs):
-        shutil.copytree(checkout / "labs", labs, symlinks=True)
-    elif not stat.S_ISDIR(os.lstat(labs).st_mode):
-        raise UnsafePath(f"{labs} is not a folder (a link?): move it away and restart your server")
+    work = folder / "work"
+    if not os.path.lexists(work):
+        shutil.copytree(checkout / "labs", work, symlinks=True)
+    elif not stat.S_ISDIR(os.lstat(work).st_mode):
+        raise UnsafePath(f"{work} is not a folder (a link?): move it away and restart your server")
     solutions = folder / "solutions"
     if not os.path.lexists(solutions):
         solutions.symlink_to(checkout / "solutions")

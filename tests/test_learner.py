@@ -1,0 +1,155 @@
+"""The learner's work/ (utils/machinery/learner.py): a solved, saved copy survives `make labs`; a course update is
+merged into it (answer kept, backup written) or, untouched, replaced; a conflict leaves it as it was; `make test`
+never reads work/; `make progress` says "N of M", in numeric order, passed / failed / not done / changed."""
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from utils import exercises, solutions
+from utils.graders import lab00 as graders
+from utils.machinery import labs as course_labs
+from utils.machinery import learner
+
+LAB00, LAB01 = "00_environment.ipynb", "01_vector_add.ipynb"
+
+
+def region_code(lab: str) -> dict[str, str]:
+    """{exercise: the solution's code in its region} of `lab`."""
+    nb = solutions.read(solutions.notebook_path(lab))
+    return {r.exercise: "\n".join(nb.cells[r.cell].source.split("\n")[r.begin + 1:r.end])
+            for r in solutions.regions(nb)}
+
+
+def answer_in(path: Path, exercise: str, code: str) -> None:
+    """Write `code` over exercise's stub in the notebook at `path` and save it, as a learner does in JupyterLab
+    (with an output and an execution count)."""
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if f"exercise not done: {exercise}," in c.source)
+    cell.source = "\n".join(f"{line[:len(line) - len(line.lstrip())]}{code}" if f"exercise not done: {exercise},"
+                            in line else line for line in cell.source.split("\n"))
+    cell.execution_count = 3
+    cell.outputs = [nbformat.v4.new_output("stream", text="ran\n")]
+    nbformat.write(nb, path)
+
+
+def course_update(path: Path, words: str) -> None:
+    """A course update of the labs/ notebook at `path`: its first cell's text changes and a cell is added."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source += f"\n\n{words}"
+    nb.cells.append(nbformat.v4.new_markdown_cell(f"A new closing note: {words}"))
+    path.write_text(nbformat.writes(nb) + "\n")
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A checkout-like folder: labs/ (lab 00 and 01, as generated) and work/, made by `workspace`; `make labs`
+    (labs.write_labs) pointed at its labs/."""
+    (tmp_path / "labs").mkdir()
+    for name in (LAB00, LAB01):
+        shutil.copyfile(solutions.LABS / name, tmp_path / "labs" / name)
+    monkeypatch.setattr(course_labs, "LABS", tmp_path / "labs")
+    lines = learner.workspace(tmp_path / "labs", tmp_path / "work")
+    assert lines == [f"{tmp_path / 'work' / n}: made from {tmp_path / 'labs' / n}" for n in (LAB00, LAB01)]
+    return tmp_path / "labs", tmp_path / "work"
+
+
+def test_a_solved_saved_copy_survives_make_labs_and_workspace(checkout):
+    labs, work = checkout
+    answer = region_code("00")["0.1"].strip()
+    answer_in(work / LAB00, "0.1", answer)
+    (work / "my_notes.ipynb").write_text((work / LAB00).read_text())
+    saved = (work / LAB00).read_bytes()
+    (labs / LAB00).write_text("stale")       # labs/ out of date: `make labs` rewrites it
+    course_labs.write_labs()
+    assert (labs / LAB00).read_text() == course_labs.lab_text(solutions.notebook_path("00"))
+    assert (work / LAB00).read_bytes() == saved and (work / "my_notes.ipynb").exists()
+    assert answer in (work / LAB00).read_text()
+    # labs/ regenerated as the course shipped it: `workspace` copies the labs work/ lacks, leaves lab 00 alone
+    said = learner.workspace(labs, work)
+    assert not [line for line in said if LAB00 in line] and (work / LAB00).read_bytes() == saved
+    assert len(said) == len(solutions.solution_notebooks()) - 2 and all(": made from " in line for line in said)
+
+
+def test_update_merges_a_course_change_into_the_answer_and_replaces_an_untouched_copy(checkout):
+    labs, work = checkout
+    answer = region_code("00")["0.1"].strip()
+    answer_in(work / LAB00, "0.1", answer)
+    course_update(labs / LAB00, "updated in lab 00")
+    course_update(labs / LAB01, "updated in lab 01")
+    said = learner.workspace(labs, work)
+    assert f"{labs / LAB00} is newer than your {work / LAB00}: `make update` merges it" in said
+    assert learner.newer(labs, work) == [LAB00, LAB01]
+
+    lines, ok = learner.update(labs, work)
+    assert ok, lines
+    merged = nbformat.read(work / LAB00, as_version=4)
+    text = "\n".join(c.source for c in merged.cells)
+    assert answer in text and "exercise not done: 0.1," not in text           # the learner's answer
+    assert "updated in lab 00" in merged.cells[0].source                     # the course's change
+    assert merged.cells[-1].source == "A new closing note: updated in lab 00"
+    assert any(c.get("outputs") for c in merged.cells if c.cell_type == "code")   # the learner's outputs
+    backups = list((work / ".backup").glob("00_environment-*.ipynb"))
+    assert len(backups) == 1 and "exercise not done: 0.1," not in backups[0].read_text()
+    assert (work / LAB01).read_bytes() == (labs / LAB01).read_bytes()         # untouched: replaced
+    assert not list((work / ".backup").glob("01_*"))
+    assert any("replaced by the course's new version" in line for line in lines)
+    assert learner.newer(labs, work) == [] and learner.update(labs, work) == ([], True)
+
+
+def test_a_conflicting_update_leaves_the_learners_notebook_as_it_was(checkout):
+    labs, work = checkout
+    answer_in(work / LAB00, "0.1", "return 2 * m * n * k")
+    answer_in(labs / LAB00, "0.1", "raise NotImplementedError('the course changed this line')")
+    mine = (work / LAB00).read_bytes()
+    lines, ok = learner.update(labs, work)
+    assert not ok and (work / LAB00).read_bytes() == mine
+    attempt = work / "00_environment.merged.ipynb"
+    assert attempt.exists() and "<<<<<<< local" in attempt.read_text()
+    assert any("conflict" in line and str(attempt) in line for line in lines), lines
+    assert learner.newer(labs, work) == [LAB00]                               # still to merge
+
+
+def test_make_test_never_reads_work():
+    """The learner's work/ is theirs: no test reads the checkout's work/ (they use a temporary one)."""
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        source = path.read_text()
+        assert "learner." + "WORK" not in source and not re.search(r"ROOT\s*/\s*[\"']work[\"']", source), path.name
+    assert "work" not in (ROOT / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
+
+
+def test_progress_says_n_of_m_in_numeric_order_with_each_state(build_dir, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)                   # verdicts are recorded per folder the notebook runs in: work
+    right = region_code("00")
+    answers = {"0.1": right["0.1"], "0.2": "return 0", "0.3": right["0.3"]}
+    mine = solutions.load("00", answers=answers)
+    lab = exercises.Lab("00_environment")
+    assert lab.grade("0.1", "count", graders.check_matmul_flops, mine.matmul_flops)
+    with pytest.raises(exercises.ExerciseFailed):
+        lab.grade("0.2", "bytes", graders.check_add_bytes, mine.add_bytes)
+    rate = mine.rate
+    assert lab.grade("0.3", "rate", lambda: graders.check_rate(rate))      # a lambda grades what it calls
+    exercises.Lab("05_llm_serving").grade("5.5", "paged", lambda: None)
+    # the saved notebook: 0.1 and 0.2 as graded, 0.3 edited since
+    edited = dict(answers, **{"0.3": right["0.3"] + "  # tried something"})
+    nbformat.write(course_labs.lab_with_answers("00", edited), work / LAB00)
+
+    table = learner.progress_table(work=work)
+    lines = table.split("\n")
+    total = sum(len(solutions.exercises(solutions.read(p))) for p in solutions.solution_notebooks())
+    assert lines[0] == f"2 of {total} exercises done"
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert list(rows) == sorted(rows, key=lambda e: tuple(map(int, e.split("."))))
+    assert list(rows).index("5.4") < list(rows).index("5.5") and len(rows) == total
+
+    def state(ex):
+        return next(s for s in ("changed since graded", "passed", "failed", "not done") if f"  {s}" in rows[ex])
+    assert [state(e) for e in ("0.1", "0.2", "0.3", "0.4", "5.5")] == [
+        "passed", "failed", "changed since graded", "not done", "passed"]
+    assert "count a matmul's operations" in rows["0.1"] and rows["0.1"].endswith("00_environment.ipynb")
+    assert "paged decode attention" in rows["5.5"] and rows["5.5"].rstrip().endswith("05_llm_serving.ipynb")

@@ -9,7 +9,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from utils import exercises, solutions
 from utils.machinery import labs
-from utils.exercises import ExerciseFailed
+from utils.exercises import ExerciseFailed, check
 
 
 def notebook(*sources, tags=None):
@@ -168,3 +168,31 @@ def test_lab_with_answers_is_the_generated_lab_plus_those_answers():
     assert "return 3 * n * itemsize" in text and 'raise NotImplementedError("exercise not done: 0.1' in text
     assert all(c.outputs == [] for c in nb.cells if c.cell_type == "code")
     assert isinstance(nb, nbformat.NotebookNode)
+
+
+def test_an_exception_in_the_learners_code_is_a_hint_never_a_traceback(build_dir):
+    lab = exercises.Lab("99_demo")
+
+    def check_shape(f):
+        check("f(ones(3)) has 3 elements", len(f([1, 1, 1])) == 3, "keep the input's shape")
+
+    def slip(x):
+        return x[5]                       # an index slip: IndexError inside the learner's code
+
+    with pytest.raises(ExerciseFailed, match=r"exercise 9\.3 \(shape\): your code raised IndexError: list index "
+                                             r"out of range.*check the shapes, dtypes and devices") as err:
+        lab.grade("9.3", "shape", check_shape, slip)
+    assert lab.status["9.3"] == "failed" and isinstance(err.value.__cause__, IndexError)
+
+
+def test_a_kernel_answered_with_the_stub_line_left_beside_it_is_graded_not_called_not_done():
+    """A right 1.2 with `pass  # exercise not done` left below it was NOT DONE ("write what you already wrote")."""
+    nb = solutions.read(solutions.notebook_path("01"))
+    region = next(r for r in solutions.regions(nb, "01") if r.exercise == "1.2")
+    answer = "\n".join(nb.cells[region.cell].source.split("\n")[region.begin + 1:region.end])
+    left = solutions.load("01", answers={"1.2": answer + "\n" + region.indent + solutions.stub("1.2", triton=True)})
+    assert not exercises.unfinished(left.add_kernel)
+    assert exercises.unfinished(solutions.load("01", stubs=True).add_kernel)
+    commented = solutions.load("01", answers={"1.2": region.indent + "# I will do this later\n" + region.indent
+                                              + solutions.stub("1.2", triton=True)})
+    assert exercises.unfinished(commented.add_kernel)          # a comment is not an answer

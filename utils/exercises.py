@@ -19,6 +19,7 @@ functions' source (`answer_hashes`), so that progress can tell an answer changed
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import inspect
 import os
@@ -101,9 +102,44 @@ def answer_hashes(*fns) -> dict[str, str]:
     return {name: source_hash(src) for name, fn in _graded_functions(fns).items() if (src := _source(fn))}
 
 
+_STUB = re.compile(re.escape(EXERCISE_NOT_DONE) + r": (?P<lab>\d+)\.\d+")
+
+
+@functools.lru_cache(maxsize=None)
+def _stubbed_lab(lab: str) -> str:
+    """The exported source of a lab with every exercise a stub (what a learner starts from)."""
+    return solutions.export_source(lab, stubs=True)
+
+
+def _code_lines(source: str) -> list[str]:
+    """A function's code as it matters for "was anything written": no blank or comment-only lines, no stub line."""
+    return [line.strip() for line in textwrap.dedent(source).split("\n")
+            if line.strip() and not line.strip().startswith("#") and EXERCISE_NOT_DONE not in line]
+
+
+def _written_beside_stub(source: str) -> bool:
+    """Whether a function that still holds a stub line has code the stub did not have (an answer written above
+    or below the line the learner forgot to delete): then it is graded by what it does."""
+    m, block = _STUB.search(source), (function_sources(source) or [""])[0]
+    name = _DEF_LINE.match(block.split("\n")[0]) if block else None
+    if not m or not name:
+        return False
+    try:
+        stubbed = function_sources(_stubbed_lab(m.group("lab")), name.group("name"))
+    except (ValueError, OSError):
+        return False
+    return bool(stubbed) and _code_lines(block) != _code_lines(stubbed[0])
+
+
 def unfinished(*fns) -> bool:
-    """Whether any of `fns` (functions or `@triton.jit` kernels) still holds an exercise stub."""
-    return any(EXERCISE_NOT_DONE in _source(fn) for fn in fns)
+    """Whether any of `fns` (functions or `@triton.jit` kernels) is still the stub it started as: it holds the
+    stub line and nothing was written beside it (a kernel's stub cannot raise, so the text decides, but an
+    answer written with the stub line left below it counts as written)."""
+    for fn in fns:
+        source = _source(fn)
+        if EXERCISE_NOT_DONE in source and not _written_beside_stub(source):
+            return True
+    return False
 
 
 def is_exercise_stub_error(ename: str, evalue: str) -> bool:
@@ -120,6 +156,18 @@ def _is_not_done(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().split("\n")
+    return (text[0][:300] if text and text[0] else "(no message)")
+
+
+def _where(exc: BaseException) -> str:
+    """Where in the learner's notebook (not in the course's code) the exception was raised, if there."""
+    frames = [f for f in inspect.getinnerframes(exc.__traceback__, context=0)
+              if "ipykernel" in f.filename or f.filename.startswith("<")] if exc.__traceback__ else []
+    return f" (in {frames[-1].function}, line {frames[-1].lineno} of its cell)" if frames else ""
 
 
 class ExerciseFailed(AssertionError):
@@ -162,8 +210,10 @@ class Lab:
         except Exception as exc:
             if _is_not_done(exc):
                 return self._not_done(exercise, title)
-            self._set(exercise, title, "failed", answer)
-            raise
+            self._set(exercise, title, "failed", answer)   # a traceback is never a verdict: a hint that names it
+            raise ExerciseFailed(f"exercise {exercise} ({title}): your code raised {type(exc).__name__}: "
+                                 f"{_first_line(exc)}{_where(exc)}; check the shapes, dtypes and devices it "
+                                 "is given and what it returns") from exc
         self._set(exercise, title, "passed", answer)
         print(f"PASS: exercise {exercise} ({title})")
         return True

@@ -182,19 +182,46 @@ out_ptr += row * out_row_stride
 mask = cols < n_cols
 tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=mask) + tl.load(y_ptr + cols, mask=mask), mask=mask)"""
 
+ADD_LOADS_UNMASKED = """pid = tl.program_id(0)
+offsets = pid * BLOCK + tl.arange(0, BLOCK)
+mask = offsets < n
+tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) + tl.load(y_ptr + offsets), mask=mask)"""
+ADD_BY_REMAINDER = """base = tl.program_id(axis=0) * BLOCK
+lane = tl.arange(0, BLOCK)
+live = lane < n - base
+a = tl.load(x_ptr + base + lane, mask=live)
+b = tl.load(y_ptr + base + lane, mask=live)
+tl.store(out_ptr + base + lane, a + b, mask=live)"""
+ROWS_LOADS_UNMASKED = ROWS_BODY.format(**ROWS).replace(", mask=mask)\ny", ")\ny").replace(
+    "cols, mask=mask)\ntl", "cols)\ntl")
+
 GRADER = {   # exercise -> (how to grade a loaded module, [other correct answers], [(wrong answer, words of its hint)])
     "1.2": (lambda m: graders.check_add("add", m.add, dtypes=(torch.float32, torch.float16)),
-            [ADD_ALT],
+            [ADD_ALT, ADD_BY_REMAINDER,
+             # issue 31: a right kernel with the stub's line left below it was reported NOT DONE
+             ADD_ALT + "\npass  # exercise not done: 1.2, replace this line with your code"],
             [(ADD_BODY.format(y="y").replace(", mask=mask)", ")"), "mask the store"),
              (ADD_BODY.format(y="y").replace("pid * BLOCK + ", ""), "must start at element pid \\* BLOCK"),
              (ADD_BODY.format(y="x"), "store the sum of the loaded x and y"),
-             (ADD_BODY.format(y="y").replace("offsets < n", "offsets < n - 1"), "was never written")]),
+             (ADD_BODY.format(y="y").replace("offsets < n", "offsets < n - 1"), "was never written"),
+             # issue 31: a kernel that masks only its store and reads past n passed (slack after the buffers)
+             (ADD_LOADS_UNMASKED, "reads x\\[1\\], outside the 1 elements.*mask the loads too"),
+             # issue 31: a wrong store address was told "store the sum"
+             (ADD_BODY.format(y="y").replace("out_ptr + offsets", "out_ptr + offsets + 1"),
+              "(?s)^(?!.*store the sum).*lands 1 element\\(s\\) late"),
+             (ADD_BODY.format(y="y").replace("offsets < n", "offsets <= n"), "one past the end, was written"),
+             (ADD_BODY.format(y="y").replace("out_ptr + offsets", "x_ptr + offsets"), "stored into an input"),
+             (ADD_BODY.format(y="y").replace("tl.arange(0, BLOCK)", "tl.arange(0, 1000)"),
+              "raised .* for x, y and out of 1 contiguous float32 elements")]),
     "1.3": (lambda m: graders.check_q_strides(m.predict_q_strides, m.gpt2_qkv),
             ["shape = (batch, seq, 3 * heads * head_dim)\n"
              "qkv = torch.empty(shape)[..., :heads * head_dim]\n"
              "return qkv.view(batch, seq, heads, head_dim).transpose(1, 2).stride()",
              "row = 3 * heads * head_dim\nreturn [seq * row, head_dim, row, 1]"],
             [("return (heads * seq * head_dim, seq * head_dim, head_dim, 1)", "strides of a contiguous"),
+             ("e = heads * head_dim\nreturn (seq * e, head_dim, 3 * e, 1)", "the batch stride is off"),
+             ("e = heads * head_dim\nreturn (seq * 3 * e, head_dim, 3 * e)", "returned 3 strides"),
+             ("e = heads * head_dim\nprint(seq * 3 * e, head_dim, 3 * e, 1)", "return 4 integers"),
              ("e = heads * head_dim\nreturn (seq * e, head_dim, e, 1)", "3\\*E long"),
              ("e = 3 * heads * head_dim\nreturn (seq * e, e, head_dim, 1)", "before transpose")]),
     "1.4": (lambda m: graders.check_rows("triton_add_rows", m.triton_add_rows),
@@ -202,7 +229,10 @@ GRADER = {   # exercise -> (how to grade a loaded module, [other correct answers
             [(ROWS_BODY.format(**{**ROWS, "os": "x_row_stride"}), "out's rows are out_row_stride apart"),
              (ROWS_BODY.format(**{**ROWS, "xs": "n_cols"}), "x's rows are x_row_stride apart"),
              (ROWS_BODY.format(**{**ROWS, "m": "None"}), "mask the columns"),
-             (ROWS_BODY.format(**{**ROWS, "div": "%", "mod": "//"}), "was never written")]),
+             (ROWS_BODY.format(**{**ROWS, "div": "%", "mod": "//"}), "was never written"),
+             (ROWS_LOADS_UNMASKED, "reads elements outside x's and y's rows.*mask the loads too"),
+             (ROWS_BODY.format(**{**ROWS, "os": "x_row_stride"}).replace("row * y_row_stride", "row * out_row_stride"),
+              "out's rows are out_row_stride apart")]),
 }
 
 
@@ -232,6 +262,15 @@ PORT_WRONG = [   # (what it does to the reference port, words of the hint)
     (lambda p: p.replace("hipMemcpy(hy.data(), y, n * sizeof(float), hipMemcpyDeviceToHost);", ""),
      "calls hipMemcpy 3 times, yours 2"),
     (lambda p: p.replace(LAUNCH, ""), "saxpy is never launched"),
+    # issue 31: a copy back in the wrong direction, and a bound i <= n, passed
+    (lambda p: p.replace("y, n * sizeof(float), hipMemcpyDeviceToHost", "y, n * sizeof(float), hipMemcpyHostToDevice"),
+     "copies the result back the wrong way"),
+    (lambda p: p.replace("if (i < n)", "if (i <= n)"), "lets i == n through \\(i <= n\\)"),
+    (lambda p: p.replace("hipMemcpy(hy.data(), y,", "hipMemcpy(y, hy.data(),"), "the destination comes first"),
+]
+PORT_RIGHT = [   # other right ports
+    lambda p: p.replace("if (i < n) y[i]", "if (i >= n) return;\n    y[i]"),
+    lambda p: p.replace("hipMemcpyDeviceToHost", "hipMemcpyDefault"),
 ]
 
 
@@ -249,14 +288,16 @@ def _same(port):
 
 
 @needs_hipcc
-@pytest.mark.parametrize("change", [_same, GGL], ids=["reference", "hipLaunchKernelGGL"])
+@pytest.mark.parametrize("change", [_same, GGL, *PORT_RIGHT],
+                         ids=["reference", "hipLaunchKernelGGL", "early return", "hipMemcpyDefault"])
 def test_hip_port_passes(change, interpreter, capsys):
     _grade_port(interpreter, change)
     assert "PASS: main makes every runtime call hipify's port makes" in capsys.readouterr().out
 
 
 @needs_hipcc
-@pytest.mark.parametrize("change, hint", PORT_WRONG, ids=["cuda name", "kernel changed", "no copy back", "no launch"])
+@pytest.mark.parametrize("change, hint", PORT_WRONG, ids=["cuda name", "kernel changed", "no copy back", "no launch", "copy back wrong way",
+                                                     "i <= n", "dst and src swapped"])
 def test_hip_port_wrong_answers_fail_with_their_hint(change, hint, interpreter):
     with pytest.raises(ExerciseFailed, match=hint):
         _grade_port(interpreter, change)

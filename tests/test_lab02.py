@@ -22,6 +22,14 @@ def fails_with(fn, *hint):
         assert part in str(err.value), str(err.value)
 
 
+def passes(fn, what):
+    """A right answer: PASS, or the test fails naming it and the grader's verdict."""
+    try:
+        fn()
+    except ExerciseFailed as err:
+        pytest.fail(f"a right answer ({what}) was refused: {err}")
+
+
 def given(value):
     """A learner's function that returns `value` (the graders take the function, as ex.grade passes it)."""
     return lambda: value
@@ -42,6 +50,9 @@ def test_grader_2_1(lab):
     fails_with(lambda: graders.check_passes(given({**right, (64, 32): 1})), "64 lanes, period 32", "both run")
     fails_with(lambda: graders.check_passes(given({**right, (32, 32): 2})), "32 lanes, period 32", "one pass")
     fails_with(lambda: graders.check_passes(given([2, 1])), "return a dict")
+    fails_with(lambda: graders.check_passes(given({**right, (64, 16): np.array([2, 2])})), "64 lanes, period 16", "both run")
+    fails_with(lambda: graders.check_passes(given({**right, (32, 64): "1"})), "32 lanes, period 64", "one pass")
+    graders.check_passes(given({k: float(v) for k, v in right.items()}))          # 2.0 is 2
 
 
 # --- 2.2 the portable reduction ------------------------------------------------------------------------
@@ -71,7 +82,75 @@ __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, i
 }
 """,
 }
+SUM_ALTERNATIVES["shuffle width given as warpSize"] = SUM.replace("SHFL_DOWN(v, offset)", "DOWN_W(v, offset)").replace(
+    "__global__", """#if defined(__HIP_PLATFORM_AMD__)
+#define DOWN_W(v, o) __shfl_down(v, o, warpSize)
+#else
+#define DOWN_W(v, o) __shfl_down_sync(0xffffffffu, v, o, warpSize)
+#endif
+__global__""", 1)
+SUM_ALTERNATIVES["a block reduction in shared memory, one atomic per block"] = r"""
+__global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
+    __shared__ int partial[1024 / 32];
+    int i = blockIdx.x * blockDim.x + threadIdx.x, lane = threadIdx.x % warpSize, wave = threadIdx.x / warpSize;
+    int v = i < n ? x[i] : 0;
+    for (int offset = warpSize / 2; offset > 0; offset /= 2) v += SHFL_DOWN(v, offset);
+    if (lane == 0) partial[wave] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < (int)blockDim.x / warpSize; ++w) total += partial[w];
+        atomicAdd(out, total);
+    }
+}
+"""
+# the issue's cases: warp-level code the SIMT machine ran although one vendor leaves it undefined, and answers
+# that are right on one lane width only (both directions of the compatibility rules)
+OWN_MACROS = """#if defined(__HIP_PLATFORM_AMD__)
+#define FULL 0xffffffffffffffffull
+#define DOWN_W(v, o, w) __shfl_down(v, o, w)
+#else
+#define FULL 0xffffffffu
+#define DOWN_W(v, o, w) __shfl_down_sync(0xffffffffu, v, o, w)
+#endif
+"""
 SUM_WRONG = {
+    "width 32 on a 64-lane wavefront, every 32nd lane adds (right total)": (
+        OWN_MACROS + SUM.replace("warpSize / 2", "16").replace("SHFL_DOWN(v, offset)", "DOWN_W(v, offset, 32)")
+        .replace("threadIdx.x % warpSize == 0", "threadIdx.x % 32 == 0"),
+        "HIP, 64-lane wavefronts", "__shfl_down with width 32 on a 64-lane wavefront shuffles inside groups of 32 lanes"),
+    "width 64 (not a lane count on CUDA)": (OWN_MACROS + SUM.replace("SHFL_DOWN(v, offset)", "DOWN_W(v, offset, 64)"),
+                                            "CUDA, 32-lane warps", "__shfl_down_sync with width 64 on a 32-lane",
+                                            "power of two no larger than the lane count"),
+    "width 48 (not a power of two)": (OWN_MACROS + SUM.replace("SHFL_DOWN(v, offset)", "DOWN_W(v, offset, 48)"),
+                                      "width 48", "power of two"),
+    "every lane adds its element (right total)": (SUM.replace("    for (int offset = warpSize / 2; offset > 0; offset /= 2)\n"
+                                                              "        v += SHFL_DOWN(v, offset);\n", "")
+                                                  .replace("if (threadIdx.x % warpSize == 0) ", ""),
+                                                  "the total is right, but lanes", "each added", "nor every lane"),
+    "early return, then a full-mask shuffle": (OWN_MACROS + SUM.replace("int v = i < n ? x[i] : 0;", "if (i >= n) return;\n    int v = x[i];")
+                                               .replace("SHFL_DOWN(v, offset)", "__shfl_down_sync(FULL, v, offset)"),
+                                               "had returned", "undefined"),
+    "offsets from 64": (SUM.replace("warpSize / 2", "64"), "CUDA, 32-lane warps", "a shuffle offset of 64 on a 32-lane",
+                        "start at warpSize / 2 = 16"),
+    "every 64th lane adds": (SUM.replace("threadIdx.x % warpSize == 0", "threadIdx.x % 64 == 0"), "CUDA, 32-lane warps, n = 33",
+                             "holding elements 32 to 32 added nothing", "not every 64th lane"),
+    "a float sum": (SUM.replace("int v = i < n ? x[i] : 0;", "float v = i < n ? x[i] : 0;")
+                    .replace("atomicAdd(out, v)", "atomicAdd(out, (int)v)"), "values near +-2^24", "keep v and the sum in int"),
+    "HIP's unmasked __shfl_down used on CUDA": (SUM.replace("SHFL_DOWN(v, offset)", "__shfl_down(v, offset)"),
+                                                "does not compile (CUDA)", "CUDA has no unmasked __shfl_down"),
+    "warpSize as a template argument": (SUM_ALTERNATIVES["width as a template parameter"].replace(
+        "v = warpSize == 64 ? wave_sum<64>(v) : wave_sum<32>(v);", "v = wave_sum<warpSize>(v);"),
+        "does not compile", "warpSize is a variable, not a compile-time constant"),
+    "__AMDGCN_WAVEFRONT_SIZE": (SUM.replace("warpSize / 2", "__AMDGCN_WAVEFRONT_SIZE / 2"), "does not compile",
+                                "__AMDGCN_WAVEFRONT_SIZE is HIP-only"),
+    "(1ull << warpSize) - 1 as the mask": (SUM.replace("SHFL_DOWN(v, offset)", "MY_DOWN(v, offset)").replace("__global__", """#if defined(__HIP_PLATFORM_AMD__)
+#define MY_DOWN(v, o) __shfl_down_sync((1ull << warpSize) - 1, v, o)
+#else
+#define MY_DOWN(v, o) __shfl_down_sync(0xffffffffu, v, o)
+#endif
+__global__""", 1), "HIP, 64-lane wavefronts", "(mask 0x0)", "(1ull << warpSize) - 1"),
+
     "offsets from 16": (SUM.replace("warpSize / 2", "16"), "64-lane wavefronts", "largest shuffle offset was 16", "needs 32"),
     "& 31 picks the adding lane": (SUM.replace("threadIdx.x % warpSize == 0", "(threadIdx.x & 31) == 0"),
                                    "lanes [0, 32] of one 64-lane wavefront each added"),
@@ -85,8 +164,8 @@ SUM_WRONG = {
 
 def test_grader_2_2_reference_and_alternatives(lab):
     graders.check_portable_sum(lab.sum_portable_kernel)
-    for source in SUM_ALTERNATIVES.values():
-        graders.check_portable_sum(given(source))
+    for what, source in SUM_ALTERNATIVES.items():
+        passes(lambda: graders.check_portable_sum(given(source)), what)
     alt = solutions.load("02", {"2.2": kernel_answer(SUM_ALTERNATIVES["width as a template parameter"])})
     graders.check_portable_sum(alt.sum_portable_kernel)
 
@@ -95,6 +174,12 @@ def test_grader_2_2_reference_and_alternatives(lab):
 def test_grader_2_2_known_wrong(lab, mistake):
     source, *hint = SUM_WRONG[mistake]
     fails_with(lambda: graders.check_portable_sum(given(source)), *hint)
+
+
+def test_grader_2_2_not_a_kernel():
+    fails_with(lambda: graders.check_portable_sum(given(None)), "as a string", "not a NoneType")
+    fails_with(lambda: graders.check_portable_sum(given(SUM.replace("sum_portable", "my_sum"))),
+               "must define the kernel `__global__ void sum_portable(...)`")
 
 
 # --- 2.3 counting with a ballot ------------------------------------------------------------------------
@@ -114,7 +199,38 @@ __global__ void count_positive(const float* __restrict__ x, int* __restrict__ co
     if (threadIdx.x % warpSize == 0) atomicAdd(count, yes);
 }
 """
+COUNT_ALTERNATIVES = {
+    "a shuffle reduction of 0/1": COUNT_SHUFFLE,
+    "early return, then the lab's BALLOT (HIP: unmasked; CUDA: exited lanes may be named)": COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);", "if (i >= n) return;\n    unsigned long long votes = BALLOT(x[i] > 0.0f);"),
+    "early return, then a ballot over the active lanes": COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);",
+        "if (i >= n) return;\n    unsigned long long votes = __ballot_sync(__activemask(), x[i] > 0.0f);"),
+    "a full 64-bit mask with every lane calling": OWN_MACROS + COUNT.replace("BALLOT(i < n && x[i] > 0.0f)",
+                                                                            "__ballot_sync(FULL, i < n && x[i] > 0.0f)"),
+    "the last lane adds, only when there are votes": COUNT.replace("threadIdx.x % warpSize == 0",
+                                                                  "threadIdx.x % warpSize == warpSize - 1 && votes"),
+}
 COUNT_WRONG = {
+    # the issue's case: a ballot whose mask names lanes that returned (undefined on HIP, where the SIMT machine ran it)
+    "early return, then a full 64-bit mask": (OWN_MACROS + COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);",
+        "if (i >= n) return;\n    unsigned long long votes = __ballot_sync(FULL, x[i] > 0.0f);"),
+        "HIP, 64-lane wavefronts (CDNA), n = 1", "__ballot_sync's mask 0xffffffffffffffff names 63 lanes (from lane 1)",
+        "they had finished", "undefined on HIP"),
+    "a full mask inside a branch": (OWN_MACROS + COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);",
+        "unsigned long long votes = 0;\n    if (i < n) votes = __ballot_sync(FULL, x[i] > 0.0f);"),
+        "HIP, 64-lane", "did not call it", "rather than return or branch around it"),
+    "__any_sync with a 32-lane mask on 64 lanes": (COUNT.replace("unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);",
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);\n#if defined(__HIP_PLATFORM_AMD__)\n"
+        "    if (!__any_sync(0xffffffffull, votes != 0)) return;\n#endif"),
+        "lane 32 called a ballot/vote with a mask that leaves it out"),
+    "every positive lane adds 1 (right total)": (COUNT.replace("if (threadIdx.x % warpSize == 0) atomicAdd(count, __popcll(votes));",
+                                                               "if (i < n && x[i] > 0.0f) atomicAdd(count, 1);"),
+                                                 "the total is right, but lanes", "one lane per wavefront"),
+    "zeros counted": (COUNT.replace("x[i] > 0.0f", "x[i] >= 0.0f"), "zeros were counted"),
+
     "__popc of a 64-bit ballot": (COUNT.replace("__popcll(votes)", "__popc(votes)"), "only lanes 0-31", "__popcll"),
     "32-bit votes": (COUNT.replace("unsigned long long votes", "unsigned int votes"), "only lanes 0-31"),
     "& 31 picks the adding lane": (COUNT.replace("threadIdx.x % warpSize == 0", "(threadIdx.x & 31) == 0"),
@@ -125,9 +241,10 @@ COUNT_WRONG = {
 }
 
 
-def test_grader_2_3_reference_and_alternative(lab):
+def test_grader_2_3_reference_and_alternatives(lab):
     graders.check_count_positive(lab.count_positive_kernel)
-    graders.check_count_positive(given(COUNT_SHUFFLE))
+    for what, source in COUNT_ALTERNATIVES.items():
+        passes(lambda: graders.check_count_positive(given(source)), what)
 
 
 @pytest.mark.parametrize("mistake", COUNT_WRONG, ids=list(COUNT_WRONG))
@@ -162,6 +279,15 @@ def converged_wrong(lab):
         "no bounds check": (reference.replace("    if (i >= n) return;\n", ""), "wrote past the end of `x`"),
         "arithmetic of the other side": (reference.replace("if (side_a) {", "if (!side_a) {"),
                                          "the other side's arithmetic"),
+        # right values, but still divergent: the exercise's point (its speed is measured only on a GPU)
+        "divergent itself, renamed": (lab.DIVERGENT.replace("divergent", "converged"), "period = 1",
+                                      "processed A-elements and B-elements", "still diverges"),
+        "a side per thread parity": (reference.replace("int half = blockDim.x / 2;", "int half = 0;")
+                                     .replace("int t = threadIdx.x < half ? threadIdx.x : threadIdx.x - half;", "int t = threadIdx.x / 2;")
+                                     .replace("bool side_a = threadIdx.x < half;", "bool side_a = threadIdx.x % 2 == 0;"),
+                                     "still diverges"),
+        "the half as two wavefronts": (reference.replace("int half = blockDim.x / 2;", "int half = 2 * warpSize;"),
+                                       "CUDA, 32-lane warps", "differ from divergent"),
     }
 
 

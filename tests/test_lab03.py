@@ -230,13 +230,32 @@ def fails_with(fn, *hint):
         assert part in str(err.value), str(err.value)
 
 
+INTENSITY_RIGHT = ["return matmul_flops(n, n, n) / matmul_bytes(n, n, n)", "return n / 3",
+                   "return float(2 * n ** 3) / (3 * n * n * 2)"]
+INTENSITY_WRONG = {   # answer: the hint it must get
+    "half": ("return n / 6", "half the answer"),
+    "A and B only": ("return 2 * n**3 / (2 * 2 * n**2)", "C is written too"),
+    "FP32, one FLOP": ("return n**3 / (4 * 3 * n**2)", "FP32's 4 bytes"),
+    "integer division": ("return 2 * n**3 // (6 * n**2)", "integer division"),
+    "each matrix moved twice": ("return 2 * n**3 / (2 * 6 * n**2)", "not twice"),
+    "not a number": ('return f"{n / 3:.1f}"', "return a number"),
+    "raises": ("return matmul_flops(n) / matmul_bytes(n)", "raised TypeError"),
+    "other": ("return n / 5", "count the FLOPs"),
+}
+
+
 def test_grader_3_1_intensity(lab):
     graders.check_intensity(lab.intensity)
-    alt = load({"3.1": "return matmul_flops(n, n, n) / matmul_bytes(n, n, n)"})
-    graders.check_intensity(alt.intensity)
-    fails_with(lambda: graders.check_intensity(lambda n: n / 6), "half the answer")
-    fails_with(lambda: graders.check_intensity(lambda n: 2 * n**3 / (2 * 2 * n**2)), "C is written too")
-    fails_with(lambda: graders.check_intensity(lambda n: n**3 / (4 * 3 * n**2)), "FP32's 4 bytes")
+    for answer in INTENSITY_RIGHT:
+        graders.check_intensity(load({"3.1": answer}).intensity)
+
+
+@pytest.mark.parametrize("mistake", INTENSITY_WRONG, ids=list(INTENSITY_WRONG))
+def test_grader_3_1_known_wrong(mistake):
+    answer, hint = INTENSITY_WRONG[mistake]
+    wrong = load({"3.1": answer})
+    fails_with(lambda: graders.check_intensity(wrong.intensity), hint)
+    assert "1365.33" not in hint and "n / 3" not in hint
 
 
 K_LOOP_ALTERNATIVE = """
@@ -252,6 +271,12 @@ b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
 a_ptrs += BLOCK_K * stride_ak
 b_ptrs += BLOCK_K * stride_bk
 """
+K_LOOP_ANOTHER = """
+a = tl.load(a_ptrs, mask=(offs_k[None, :] + k * BLOCK_K) < K, other=0.)
+b = tl.load(b_ptrs, mask=(k * BLOCK_K + offs_k)[:, None] < K, other=0.)
+a_ptrs = a_ptrs + stride_ak * BLOCK_K
+b_ptrs = b_ptrs + stride_bk * BLOCK_K
+"""
 K_LOOP_WRONG = {
     "pointers never move": (K_LOOP.replace("a_ptrs += BLOCK_K * stride_ak\nb_ptrs += BLOCK_K * stride_bk\n", ""),
                             "several K steps", "move both pointers"),
@@ -259,13 +284,42 @@ K_LOOP_WRONG = {
     "A's loads unmasked": (K_LOOP.replace(", mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0", ""), "NaN in C"),
     "moves by BLOCK_K, not the stride": (K_LOOP.replace("BLOCK_K * stride_ak", "BLOCK_K"), "transposed inputs",
                                          "BLOCK_K * stride_ak"),
+    "B moves by BLOCK_K, not the stride": (K_LOOP.replace("BLOCK_K * stride_bk", "BLOCK_K"), "several K steps",
+                                           "K stride", "BLOCK_K * stride_bk"),
+    "the mask ignores the step": (K_LOOP.replace("K - k * BLOCK_K", "K"), "ragged last K step", "NaN in C",
+                                  "offs_k < K - k * BLOCK_K"),
+    "moves before loading": ("a_ptrs += BLOCK_K * stride_ak\nb_ptrs += BLOCK_K * stride_bk\n" +
+                             K_LOOP.split("a_ptrs +=")[0], "every value of C is NaN", "then move the pointers"),
+    # shape and dtype slips: a hint that names the input and the slip, never a traceback (issue: 3.2 crashed)
+    "mask axes swapped": (K_LOOP.replace("offs_k[None, :] < K", "offs_k[@] < K").replace("offs_k[:, None] < K",
+                          "offs_k[None, :] < K").replace("offs_k[@]", "offs_k[:, None]"),
+                          "raised ValueError", "64x32 bfloat16", "not shaped like its tile"),
+    "a cast to bfloat16": (K_LOOP.replace("other=0.0)\nb", "other=0.0).to(tl.bfloat16)\nb"), "raised", "one dtype"),
+    "b transposed": (K_LOOP.replace("b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)",
+                                    "b = tl.trans(tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0))"),
+                     "raised", "no transpose"),
 }
-
-
 def test_grader_3_2_k_loop(lab):
     graders.check_matmul(lab.matmul, DEVICE)            # the short wrapper the notebook grades
     graders.check_matmul(lab.triton_matmul, DEVICE)     # the full one, through the same kernel
     graders.check_matmul(load({"3.2": K_LOOP_ALTERNATIVE}).matmul, DEVICE)
+    graders.check_matmul(load({"3.2": K_LOOP_ANOTHER}).matmul, DEVICE)
+
+
+def test_grader_3_2_poisons_memory_before_and_after_every_operand():
+    """NaN on both sides of A and B (a load outside either shows), sliced operands, FP16 and FP32 graded too."""
+    gen = torch.Generator().manual_seed(0)
+    for layout in ("contiguous", "a.T", "b.T", "sliced"):
+        a, b = graders._operands(5, 6, 7, gen, "cpu", torch.float32, layout)
+        for t in (a, b):
+            storage = torch.empty(0).set_(t.untyped_storage())
+            lo = t.storage_offset()
+            hi = lo + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+            before, after = (storage[:lo], storage[hi:]) if layout != "sliced" else (storage[:graders.GUARD],
+                                                                                     storage[-graders.GUARD:])
+            assert lo > 0 and len(storage) > hi and torch.isnan(before).all() and torch.isnan(after).all()
+            assert not torch.isnan(t).any()
+    assert {c[4] for c in graders.UNPRINTED["transposed inputs"]} == {torch.bfloat16, torch.float16, torch.float32}
 
 
 @pytest.mark.parametrize("mistake", K_LOOP_WRONG, ids=list(K_LOOP_WRONG))
@@ -283,6 +337,9 @@ def test_grader_3_3_prediction(lab):
     fails_with(lambda: graders.check_instruction_prediction({"gfx942": 128, "sm_90": 4}, measured), "4 wavefronts share it")
     fails_with(lambda: graders.check_instruction_prediction({"gfx942": 32, "sm_90": 8}, measured), "2 warp groups")
     fails_with(lambda: graders.check_instruction_prediction(32, measured), 'return {"gfx942"')
+    fails_with(lambda: graders.check_instruction_prediction({"gfx942": [32], "sm_90": 4}, measured), "whole number")
+    fails_with(lambda: graders.check_instruction_prediction({"gfx942": 32, "sm_90": 3}, measured), "you said 3")
+    graders.check_instruction_prediction({"gfx942": 32.0, "sm_90": 4}, measured)
 
 
 TF32_REFERENCE = """
@@ -298,20 +355,37 @@ x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
 u = x.to(tl.uint32, bitcast=True)
 tl.store(y_ptr + offs, ((u + 4096) & 0xFFFFE000).to(tl.float32, bitcast=True), mask=offs < n)
 """
+TF32_SHIFTS = TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "((bits + 4096) >> 13) << 13")
 TF32_WRONG = {
     "truncates": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "bits & -0x2000"), "without rounding"),
     "bfloat16": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x8000) & -0x10000"), "7 mantissa bits"),
     "store unmasked": (TF32_REFERENCE.replace("bitcast=True), mask=mask)", "bitcast=True))"), "mask the store"),
+    "ties toward zero": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0xFFF) & -0x2000"),
+                         "ties round toward zero"),
+    "ties to even": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000",
+                                            "(bits + 0xFFF + ((bits >> 13) & 1)) & -0x2000"), "ties round to even"),
+    "a whole step added": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x2000) & -0x2000"),
+                           "a whole TF32 step"),
+    "11 bits kept": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x800) & -0x1000"),
+                     "keeps 11 mantissa bits"),
+    "a 64-bit view (crashes)": (TF32_REFERENCE.replace(".to(tl.int32, bitcast=True)", ".to(tl.int64, bitcast=True)"),
+                                "raised", "x 1 float32", "as tl.int32"),
+    "other": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x1000) & -0x2001"),
+              "round the bits to 10 mantissa bits"),
 }
 
 
 def test_grader_3_4_tf32_rounding(lab):
     graders.check_tf32_round(lab.tf32_round, DEVICE)
-    alt = load({"3.4": TF32_ALTERNATIVE})
-    graders.check_tf32_round(alt.tf32_round, DEVICE)
-    for code, hint in TF32_WRONG.values():
-        wrong = load({"3.4": code})
-        fails_with(lambda: graders.check_tf32_round(wrong.tf32_round, DEVICE), hint)
+    for code in (TF32_ALTERNATIVE, TF32_SHIFTS):
+        graders.check_tf32_round(load({"3.4": code}).tf32_round, DEVICE)
+
+
+@pytest.mark.parametrize("mistake", TF32_WRONG, ids=list(TF32_WRONG))
+def test_grader_3_4_known_wrong(mistake):
+    code, *hint = TF32_WRONG[mistake]
+    wrong = load({"3.4": code})
+    fails_with(lambda: graders.check_tf32_round(wrong.tf32_round, DEVICE), *hint)
 
 
 def test_grader_3_5_config(lab):
@@ -320,12 +394,41 @@ def test_grader_3_5_config(lab):
                        'num_warps=4, num_stages=4)'})
     graders.check_config(alt.my_config("cuda"), DEVICE)
     import triton
+    C = triton.Config
+    if not GPU:   # on a CPU: the ROCm config, judged against gfx942's 64 KiB of LDS (it names waves_per_eu)
+        graders.check_config(lab.my_config("rocm"), DEVICE)
+        graders.check_config(C({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8,
+                               num_stages=2), DEVICE, backend="rocm")        # 64 KiB: exactly one block's LDS
+    graders.check_config(C({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+                         DEVICE, backend="cuda")                            # 192 KiB of 227
     fails_with(lambda: graders.check_config({"BLOCK_M": 64}, DEVICE), "triton.Config(")
-    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 8, "GROUP_M": 8}), DEVICE),
+    fails_with(lambda: graders.check_config(C({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 8, "GROUP_M": 8}), DEVICE),
                "BLOCK_K = 8", "at least 16")
-    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
+    fails_with(lambda: graders.check_config(C({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
                "powers of two")
-    fails_with(lambda: graders.check_config(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
+    fails_with(lambda: graders.check_config(C({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
+
+
+def test_grader_3_5_refuses_tiles_no_gpu_can_hold_on_a_cpu_too():
+    """The issue's 512 KiB tiles passed on a CPU: refused from the tiles' bytes (per backend, as the compilers
+    allocate them: checked against ahead-of-time builds for sm_90 and gfx942), before anything runs."""
+    import triton
+    C = triton.Config
+    big = C({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=4)
+    assert graders.matmul_tile_bytes(big, "cuda") == 512 * 1024
+    fails_with(lambda: graders.check_config(big, DEVICE, backend="cuda"), "524,288 bytes (512 KiB)", "H100",
+               "232,448", "smaller tiles or fewer stages")
+    rocm = C({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "waves_per_eu": 2}, num_warps=8, num_stages=3)
+    fails_with(lambda: graders.check_config(rocm, "cpu"), "131,072 bytes", "MI300X (gfx942)", "65,536")
+    fails_with(lambda: graders.check_config(rocm, DEVICE, backend="cuda"), "AMD options", "waves_per_eu")
+    fails_with(lambda: graders.check_config(C({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
+                                                 "BLOCK_SIZE": 64}), DEVICE), "BLOCK_SIZE", "no such parameter")
+    # what the compilers allocate (ahead-of-time builds, Triton 3.7): sm_90 one A+B pair per stage, gfx942 per stage - 1
+    measured = {("cuda", 128, 256, 64, 3): 147456, ("cuda", 128, 128, 64, 5): 163840, ("rocm", 256, 256, 32, 2): 32768,
+                ("rocm", 128, 128, 64, 3): 65536, ("rocm", 256, 256, 64, 2): 65536}
+    for (backend, m, n, k, stages), shared in measured.items():
+        config = C({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=8, num_stages=stages)
+        assert graders.matmul_tile_bytes(config, backend) == shared
 
 
 def test_unfinished_exercises_are_not_done(capsys):

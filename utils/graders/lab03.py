@@ -1,9 +1,12 @@
 """Lab 03's graders (exercises 3.1-3.5) and the error measure and tolerances its checks of a BF16 matmul use."""
+import numbers
+
 import torch
 import triton
 
 from utils import solutions
 from utils.exercises import check
+from utils.solutions import EXERCISE_NOT_DONE
 
 TOLERANCE = {"cuda": 1e-2, "rocm": 2e-2, "cpu": 1e-2}   # relative Frobenius error of a BF16 product
 
@@ -14,49 +17,99 @@ def rel_error(c, a, b):
     return ((c.double() - ref).norm() / ref.norm()).item()
 
 
+def _raise_if_not_done(err: BaseException) -> None:
+    """Let an exercise stub's own error through (the lab says NOT DONE for it); anything else is the answer's."""
+    e = err
+    while e is not None:
+        if EXERCISE_NOT_DONE in str(e):
+            raise err
+        e = e.__cause__ or e.__context__
+
+
+def _first_line(err: BaseException) -> str:
+    """The error's type and first line; for Triton's interpreter, which wraps the error it met, the error inside."""
+    while type(err).__name__ == "InterpreterError" and err.__cause__ is not None:
+        err = err.__cause__
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"
+
+
+def _describe(t) -> str:
+    return f"{'x'.join(map(str, t.shape))} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) \
+        else type(t).__name__
+
+
 # --- 3.1: FLOP per byte ------------------------------------------------------------------------------
 
 def check_intensity(intensity):
     """The prediction against 2 n^3 FLOPs over 3 n^2 BF16 values of 2 bytes at a few sizes, with a hint per usual slip."""
+    hints = {0.5: "half the answer: count 2 FLOPs per term (a multiply and an add), 2 bytes per BF16 value, and each "
+                  "of A, B and C moved once (not twice)",
+             2.0: "twice the answer: a BF16 value takes 2 bytes",
+             1.5: "you moved only A and B: C is written too (3 matrices of n*n values)",
+             0.25: "a quarter of the answer: that is FP32's 4 bytes per value, and one FLOP per term",
+             4.0: "four times the answer: a BF16 value takes 2 bytes, and a term is 2 FLOPs, not 4"}
     for n in (64, 1000, 4096):
         want = 2 * n**3 / (2 * 3 * n**2)
-        got = intensity(n)
-        ratio = got / want if isinstance(got, (int, float)) and got == got else float("nan")
-        hints = {0.5: "half the answer: count 2 FLOPs per term (a multiply and an add) and 2 bytes per BF16 value",
-                 2.0: "twice the answer: a BF16 value takes 2 bytes",
-                 1.5: "you moved only A and B: C is written too (3 matrices of n*n values)",
-                 0.25: "a quarter of the answer: that is FP32's 4 bytes per value, and one FLOP per term"}
-        hint = next((h for r, h in hints.items() if abs(ratio - r) < 1e-6), "2 n^3 FLOPs over 3 n^2 values of 2 bytes")
-        check(f"intensity({n})", abs(ratio - 1) < 1e-6, f"got {got!r}, expected {want:.6g}: {hint}")
+        try:
+            got = intensity(n)
+        except Exception as err:                     # the stub's NotImplementedError: NOT DONE
+            _raise_if_not_done(err)
+            check(f"intensity({n})", False, f"intensity({n}) raised {_first_line(err)}: return a number (FLOP per byte)")
+        number = isinstance(got, numbers.Real) and not isinstance(got, bool)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got, number = got.item(), True
+        ratio = float(got) / want if number and got == got else float("nan")
+        if not number:
+            hint = f"return a number (FLOP per byte), not {type(got).__name__}"
+        elif got == want // 1 and got != want:
+            hint = "the fraction is dropped (integer division // or rounding): divide with /"
+        else:
+            hint = next((h for r, h in hints.items() if abs(ratio - r) < 1e-6),
+                        "count the FLOPs (a multiply and an add per term) and the bytes of A, B and C, each moved once")
+        check(f"intensity({n})", number and abs(ratio - 1) < 1e-6, f"got {got!r}, expected {want:.6g}: {hint}")
 
 
 # --- 3.2: the K loop ---------------------------------------------------------------------------------
 
-def nan_after(t: torch.Tensor) -> torch.Tensor:
-    """The values of `t` in fresh memory followed by NaNs: a kernel that reads past the end gets NaN."""
-    buf = torch.full((t.numel() + 256 * max(t.shape),), float("nan"), dtype=t.dtype, device=t.device)
-    buf[:t.numel()] = t.reshape(-1)
-    return buf[:t.numel()].view(t.shape)
+GUARD = 256   # elements of NaN before and after every operand, times its longer side
+
+
+def nan_around(t: torch.Tensor) -> torch.Tensor:
+    """The values of `t` in fresh memory with NaNs before and after them: a kernel that reads outside the matrix
+    (past its end, or before its start) gets NaN."""
+    pad = GUARD * max(t.shape)
+    buf = torch.full((t.numel() + 2 * pad,), float("nan"), dtype=t.dtype, device=t.device)
+    buf[pad:pad + t.numel()] = t.reshape(-1)
+    return buf[pad:pad + t.numel()].view(t.shape)
+
+
+nan_after = nan_around   # the name the lab's first version used
 
 
 def _operands(m, n, k, gen, device, dtype=torch.bfloat16, layout="contiguous"):
-    """A (m x k) and B (k x n), NaN after each in memory, laid out as "contiguous", "a.T" (A is a
-    transposed view) or "b.T"."""
-    def make(rows, cols, transposed):
+    """A (m x k) and B (k x n), NaN before and after each in memory, laid out as "contiguous", "a.T" (A is a
+    transposed view), "b.T", or "sliced" (every other row of a wider matrix: row strides that are not the width)."""
+    def make(rows, cols, transposed, sliced):
+        if sliced:
+            t = nan_around(torch.randn(2 * rows, cols + 3, generator=gen).to(device, dtype))
+            return t[::2, 1:cols + 1]
         t = torch.randn(cols, rows, generator=gen) if transposed else torch.randn(rows, cols, generator=gen)
-        t = nan_after(t.to(device, dtype))
+        t = nan_around(t.to(device, dtype))
         return t.T if transposed else t
-    return make(m, k, layout == "a.T"), make(k, n, layout == "b.T")
+    sliced = layout == "sliced"
+    return make(m, k, layout == "a.T", sliced), make(k, n, layout == "b.T", sliced)
 
 
-# Each stage adds what the one before did not test, so the first failing stage names the mistake.
+# Each stage adds what the one before did not test, so the first failing stage names the mistake. The shapes
+# after the printed ones (sliced operands, FP16 and FP32) are checked too, without a line of their own.
 MATMUL_STAGES = [
     ("one full K step", [(64, 48, 32, "contiguous"), (33, 17, 32, "contiguous")],
      "wrong with a single K step (K = BLOCK_K): load a at a_ptrs and b at b_ptrs, a masked along its columns "
      "(offs_k[None, :]) and b along its rows (offs_k[:, None])"),
     ("several K steps", [(64, 64, 128, "contiguous"), (32, 48, 256, "contiguous")],
-     "right for one K step, wrong for several: after the loads, move both pointers one step along K "
-     "(a_ptrs += BLOCK_K * stride_ak; b_ptrs += BLOCK_K * stride_bk)"),
+     "right for one K step, wrong for several: after the loads, move both pointers one step (BLOCK_K values) along K, "
+     "in units of each matrix's K stride (a_ptrs += BLOCK_K * stride_ak; b_ptrs += BLOCK_K * stride_bk)"),
     ("a ragged last K step", [(100, 70, 90, "contiguous"), (1, 17, 97, "contiguous"), (64, 48, 200, "contiguous")],
      "right when K is a multiple of BLOCK_K, wrong when the last step overhangs K: mask the loads with "
      "offs_k < K - k * BLOCK_K (strictly less) and other=0.0"),
@@ -64,25 +117,59 @@ MATMUL_STAGES = [
      "right for contiguous matrices, wrong for transposed ones: move the pointers by BLOCK_K * stride_ak and "
      "BLOCK_K * stride_bk, the strides the wrapper passes, not by BLOCK_K"),
 ]
+UNPRINTED = {"transposed inputs": [(37, 29, 75, "sliced", torch.bfloat16), (65, 33, 47, "a.T", torch.float16),
+                                   (19, 70, 33, "b.T", torch.float32)]}
+DOT_TOLERANCE = {torch.float16: 2e-3, torch.float32: 1e-4}   # FP32 inputs: "ieee", no TF32
+
+# What the interpreter (or compiler) says for a slip in the K loop, and the mistake it means
+CRASH_HINTS = [
+    (("make_shape_compatible", "incompatible dimensions", "Cannot broadcast", "shape mismatch"),
+     "a mask is not shaped like its tile: a is BLOCK_M x BLOCK_K, masked along its columns (offs_k[None, :]); "
+     "b is BLOCK_K x BLOCK_N, masked along its rows (offs_k[:, None])"),
+    (("same dtype",), "tl.dot takes a and b of one dtype: load both as they are (no .to(...)); the accumulator "
+                      "is FP32 already"),
+    (("reduction dimension", "reduction dim"),
+     "tl.dot(a, b) needs a as BLOCK_M x BLOCK_K and b as BLOCK_K x BLOCK_N: load the tiles at a_ptrs and b_ptrs "
+     "as they are (no transpose)"),
+]
+
+
+def _crash_hint(err: BaseException) -> str:
+    text = str(err)
+    return next((h for keys, h in CRASH_HINTS if any(k in text for k in keys)),
+                "check the shapes of the tiles and masks you load and the dtypes you pass to tl.dot")
 
 
 def check_matmul(matmul, device="cpu"):
-    """A matmul of BF16 matrices against a float64 product of the same inputs, stage by stage."""
+    """A matmul of BF16 matrices against a float64 product of the same inputs, stage by stage, NaN before and after
+    every operand (a load outside a matrix shows), then sliced operands and FP16 and FP32 ones."""
     backend = "cpu" if str(device) == "cpu" else ("rocm" if torch.version.hip else "cuda")
-    tolerance = TOLERANCE[backend]
     gen = torch.Generator().manual_seed(3)
     for stage, shapes, hint in MATMUL_STAGES:
-        for m, n, k, layout in shapes:
-            a, b = _operands(m, n, k, gen, device, layout=layout)
-            c = matmul(a, b)
-            if tuple(c.shape) != (m, n):
-                check(f"{stage}: result shape", False, f"C must be {m}x{n}, got {tuple(c.shape)}")
-            err = rel_error(c, a, b)
+        extra = UNPRINTED.get(stage, [])
+        for m, n, k, layout, dtype in [(*s, torch.bfloat16) for s in shapes] + extra:
+            tolerance = TOLERANCE[backend] if dtype == torch.bfloat16 else DOT_TOLERANCE[dtype]
+            a, b = _operands(m, n, k, gen, device, dtype, layout=layout)
+            name = f"{stage}: {m}x{n}x{k} ({layout}{'' if dtype == torch.bfloat16 else ', ' + str(dtype)[6:]})"
+            try:
+                c = matmul(a, b)
+            except Exception as err:                 # the stub's NotImplementedError: NOT DONE
+                _raise_if_not_done(err)
+                check(name, False, f"matmul(a, b) with a {_describe(a)} and b {_describe(b)} raised {_first_line(err)}: "
+                                   f"{_crash_hint(err)}")
+            if not isinstance(c, torch.Tensor) or tuple(c.shape) != (m, n):
+                check(f"{stage}: result shape", False, f"C must be a {m}x{n} tensor, got {_describe(c)}")
+            if torch.isnan(c).all() and stage == MATMUL_STAGES[0][0]:
+                check(name, False, "every value of C is NaN with a single K step: the first loads already read "
+                                   "outside A and B (the checker puts NaN there): load a at a_ptrs and b at b_ptrs "
+                                   "first, then move the pointers")
             if torch.isnan(c).any():
-                check(f"{stage}: {m}x{n}x{k} ({layout})", False, "NaN in C: a load read past the end of a matrix (the "
-                      "checker puts NaN there): mask both loads with offs_k < K - k * BLOCK_K (strictly less), other=0.0")
+                check(name, False, "NaN in C: a load read outside a matrix (the checker puts NaN before and after "
+                                   "each): mask both loads with offs_k < K - k * BLOCK_K (strictly less), other=0.0, "
+                                   "and move the pointers after loading")
+            err = rel_error(c, a, b)
             if not err < tolerance:
-                check(f"{stage}: {m}x{n}x{k} ({layout})", False, f"relative error {err:.2e}, tolerance {tolerance:g}: {hint}")
+                check(name, False, f"relative error {err:.2e}, tolerance {tolerance:g}: {hint}")
         print(f"PASS: {stage} ({', '.join(f'{m}x{n}x{k}' for m, n, k, _ in shapes)})")
 
 
@@ -100,8 +187,10 @@ def check_instruction_prediction(predicted: dict, measured: dict):
                             2: "a warp group's half of C (64x256) is one wgmma tile wide; K = 64 takes 64 / 16 of them"}}
     for target in ("gfx942", "sm_90"):
         got, want = predicted[target], measured[target]
-        check(f"{target}: {want} per K step", got == want, tile_hints[target].get(got, f"you said {got!r}; count the "
-              "instructions' tiles in the program's C tile (split between its warps) times BLOCK_K over their K"))
+        number = isinstance(got, numbers.Real) and not isinstance(got, bool)
+        hint = tile_hints[target].get(got) if number else f"give a whole number, not {type(got).__name__}"
+        check(f"{target}: {want} per K step", number and got == want, hint or f"you said {got!r}; count the "
+              "instructions' tiles in the program's C tile (split between its warps) times BLOCK_K over their K")
 
 
 # --- 3.4: rounding FP32 to TF32 ----------------------------------------------------------------------
@@ -122,6 +211,23 @@ def tf32_test_values(n: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([torch.tensor(special, dtype=torch.float32), rest.float()])[:n]
 
 
+TF32_MISTAKES = [   # (what the bits become, the hint), tried in order on the values that are not NaN
+    (lambda b: b, "y equals x: clear the 13 low mantissa bits (bits & -0x2000) after adding 0x1000"),
+    (lambda b: b & -0x2000, "you cleared the 13 low bits without rounding: add half a TF32 step (0x1000) to the bits first"),
+    (lambda b: (b + 0x8000) & -0x10000, "that keeps 7 mantissa bits (bfloat16); TF32 keeps 10: clear 13 bits, adding 0x1000"),
+    (lambda b: (b + 0x0FFF) & -0x2000, "ties round toward zero: TF32 (cvt.rna) rounds them away from zero: add 0x1000, "
+                                       "half a step, not 0xFFF"),
+    (lambda b: (b + 0x0FFF + ((b >> 13) & 1)) & -0x2000,
+     "ties round to even: TF32 as the course defines it (cvt.rna) rounds them away from zero: add 0x1000 and clear "
+     "13 bits"),
+    (lambda b: (b + 0x2000) & -0x2000, "you added a whole TF32 step (0x2000): add half of one (0x1000)"),
+    (lambda b: (b + 0x0800) & -0x1000, "that keeps 11 mantissa bits; TF32 keeps 10: clear 13 bits (& -0x2000), "
+                                       "adding 0x1000"),
+    (lambda b: (b + 0x2000) & -0x4000, "that keeps 9 mantissa bits; TF32 keeps 10: clear 13 bits (& -0x2000), "
+                                       "adding 0x1000"),
+]
+
+
 def check_tf32_round(tf32_round, device="cpu"):
     """tf32_round(x) bit for bit against the course's to_tf32 (round to nearest, ties away), with a hint per mistake."""
     to_tf32 = solutions.load("03").to_tf32
@@ -129,11 +235,16 @@ def check_tf32_round(tf32_round, device="cpu"):
         x = tf32_test_values(n, seed=n).to(device)
         try:
             y = tf32_round(x)
-        except RuntimeError as err:
-            check(f"TF32 rounding of {n} values", False, str(err))
-        if y.shape != x.shape or y.dtype != torch.float32:
+        except Exception as err:                     # the stub's NotImplementedError: NOT DONE
+            _raise_if_not_done(err)
+            hint = str(err) if "mask the store" in str(err) else \
+                f"tf32_round(x) with x {_describe(x)} raised {_first_line(err)}" + \
+                ("; a bitcast keeps the size: view x's 32 bits as tl.int32, and the result's as tl.float32"
+                 if "bitcast" in str(err) else "")
+            check(f"TF32 rounding of {n} values", False, hint)
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != torch.float32:
             check(f"TF32 rounding of {n} values", False, f"return float32 values of x's shape {tuple(x.shape)}, "
-                  f"got {y.dtype} {tuple(y.shape)}")
+                  f"got {_describe(y)}")
         want, got, xb = _bits(to_tf32(x)).cpu(), _bits(y).cpu(), _bits(x).cpu()
         nan = torch.isnan(x).cpu()
         wrong = ~((got == want) | (nan & torch.isnan(y).cpu()))
@@ -141,37 +252,71 @@ def check_tf32_round(tf32_round, device="cpu"):
             continue
         first = int(wrong.nonzero()[0])
         example = f"x = {x[first].item()!r} gave {y[first].item()!r}, TF32 keeps {to_tf32(x)[first].item()!r}"
-        if torch.equal(got[~nan], xb[~nan]):
-            hint = "y equals x: clear the 13 low mantissa bits (bits & -0x2000) after adding 0x1000"
-        elif torch.equal(got[~nan], (xb & -0x2000)[~nan]):
-            hint = "you cleared the 13 low bits without rounding: add half a TF32 step (0x1000) to the bits first"
-        elif torch.equal(got[~nan], ((xb + 0x8000) & -0x10000)[~nan]):
-            hint = "that keeps 7 mantissa bits (bfloat16); TF32 keeps 10: clear 13 bits, adding 0x1000"
-        else:
-            hint = "round the bits: ((bits + 0x1000) & -0x2000), viewing x as int32 and the result as float32"
+        hint = next((h for f, h in TF32_MISTAKES if torch.equal(got[~nan], f(xb)[~nan])),
+                    "round the bits to 10 mantissa bits, ties away from zero, viewing x as int32 and the result as "
+                    "float32")
         check(f"TF32 rounding of {n} values", False, f"{int(wrong.sum())} wrong, e.g. {example}: {hint}")
     print("PASS: TF32 rounding, bit for bit: ties, both signs, the edges of FP32's range, NaN, ragged sizes")
 
 
 # --- 3.5: a tile configuration -----------------------------------------------------------------------
 
-def check_config(config, device="cpu"):
-    """A triton.Config the kernel can run: tile sizes, warps and stages in range; then the K-loop check with it,
-    through the course's matmul_with (so it grades the configuration, whatever state exercise 3.2 is in)."""
+# Shared memory (LDS) one block may use, and where the A and B tiles' bytes go: on sm_90 (Triton's pipeliner) one pair
+# of tiles per stage, on gfx942 (AMD's stream pipeliner) one pair per stage fetched ahead (num_stages - 1, at least
+# one); both checked against ahead-of-time builds of matmul_kernel. Limits: CUDA C++ Programming Guide, compute
+# capability 9.0 (227 KiB per block with opt-in); AMD CDNA3 ISA guide (64 KiB of LDS per workgroup).
+SHARED = {"cuda": ("an H100 (sm_90)", 232448, lambda stages: max(stages, 1)),
+          "rocm": ("an MI300X (gfx942)", 65536, lambda stages: max(stages - 1, 1))}
+AMD_ONLY = {"waves_per_eu", "matrix_instr_nonkdim", "kpack"}   # options only AMD's backend takes
+
+
+def matmul_tile_bytes(config: triton.Config, backend: str) -> int:
+    """Shared memory (LDS) the BF16 A and B tiles of `config` take on `backend`'s GPU ("cuda": sm_90, "rocm": gfx942)."""
+    kw = config.kwargs
+    pair = (kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]) * 2
+    return pair * SHARED[backend][2](config.num_stages)
+
+
+def check_config(config, device="cpu", backend=None):
+    """A triton.Config the kernel can run: tile sizes, warps and stages in range, options the backend takes, tiles
+    within one block's shared memory on `backend`'s GPU (computed from their bytes, so a CPU refuses what no GPU
+    could launch; default: this GPU's vendor, on a CPU "cuda" unless the config names AMD-only options); then the
+    K-loop check with it, through the course's matmul_with (so it grades the configuration, whatever state exercise
+    3.2 is in)."""
     check("a triton.Config", isinstance(config, triton.Config), "return triton.Config({...}, num_warps=..., num_stages=...)")
     kw = config.kwargs
     missing = sorted({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - set(kw))
     check("names the tile sizes and GROUP_M", not missing, f"add {missing} to the config's dictionary")
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = kw[name]
-        check(f"{name} = {v} is a power of two from 16 to 256", isinstance(v, int) and 16 <= v <= 256 and v & (v - 1) == 0,
+        check(f"{name} = {v} is a power of two from 16 to 256",
+              isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v & (v - 1) == 0,
               "tl.arange and tl.dot need powers of two; the matrix instructions need at least 16")
     check("GROUP_M >= 1", isinstance(kw["GROUP_M"], int) and kw["GROUP_M"] >= 1, "GROUP_M is a count of tile rows")
     check("num_warps is 1, 2, 4, 8 or 16", config.num_warps in (1, 2, 4, 8, 16), f"num_warps={config.num_warps}")
     check("num_stages from 1 to 6", isinstance(config.num_stages, int) and 1 <= config.num_stages <= 6, f"num_stages={config.num_stages}")
+    unknown = sorted(set(kw) - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - AMD_ONLY)
+    if unknown:
+        check("names only the kernel's parameters", False, f"{unknown}: matmul_kernel has no such parameter; the "
+              "config names BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (and on ROCm waves_per_eu)")
+    if backend is None:
+        backend = ("rocm" if torch.version.hip else "cuda") if str(device) != "cpu" else \
+            ("rocm" if AMD_ONLY & set(kw) else "cuda")
+    amd = sorted(AMD_ONLY & set(kw))
+    if backend == "cuda" and amd:
+        check("options the backend takes", False, f"{amd} are AMD options: the CUDA backend refuses them (keep them "
+              "for the ROCm config)")
+    where, limit, _ = SHARED[backend]
+    need = matmul_tile_bytes(config, backend)
+    if need > limit:
+        per = "num_stages" if backend == "cuda" else "each of the num_stages - 1 steps fetched ahead"
+        check("fits one block's shared memory", False,
+              f"your A and B tiles take {need:,} bytes ({need / 1024:.0f} KiB) of shared memory on {where} "
+              f"((BLOCK_M x BLOCK_K + BLOCK_K x BLOCK_N) x 2 bytes, for {per}); one block may use {limit:,} "
+              f"({limit // 1024} KiB): use smaller tiles or fewer stages")
     lab = solutions.load("03")
     try:
         check_matmul(lab.matmul_with(config), device)
     except triton.runtime.errors.OutOfResources as err:
-        check("fits this GPU", False, f"{err}. The tiles take {lab.tile_bytes(config) / 1024:.0f} KiB of shared memory: "
-              "use smaller tiles or fewer stages")
+        check("fits this GPU", False, f"{err}. The tiles take {matmul_tile_bytes(config, backend) / 1024:.0f} KiB of "
+              "shared memory: use smaller tiles or fewer stages")

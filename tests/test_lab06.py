@@ -481,9 +481,26 @@ ALTERNATIVES = {
 }
 
 
-@pytest.mark.parametrize("exercise", sorted(ALTERNATIVES))
-def test_alternative_answers_pass(exercise):
-    mod = load({exercise: ALTERNATIVES[exercise]})
+MORE_ALTERNATIVES = [
+    ("6.1", "from fractions import Fraction\nif collective == 'broadcast':\n    return 1\n"
+            "return Fraction(2 if collective == 'all_reduce' else 1) * Fraction(n - 1, n)"),
+    ("6.1", "match collective:\n    case 'all_reduce':\n        return 2 - 2 / n\n    case 'broadcast':\n"
+            "        return 1.0\n    case _:\n        return 1 - 1 / n"),
+    ("6.1", "import numpy as np\nreturn np.float64({'all_reduce': 2.0, 'broadcast': n / (n - 1) if n > 1 else 1.0}"
+            ".get(collective, 1.0) * (n - 1) / n) if n > 1 or collective != 'broadcast' else 1.0"),
+    ("6.2", "return (x @ weight.T).chunk(world, dim=-1)[rank]"),
+    ("6.2", "share = weight.shape[0] // world\nreturn torch.einsum('ti,oi->to', x, weight.narrow(0, rank * share, share))"),
+    ("6.3", "return torch.einsum('ti,oi->to', x_part, weight.chunk(world, dim=1)[rank])"),
+    ("6.3", "cols = x_part.shape[1]\nreturn torch.mm(x_part.contiguous(), weight[:, rank * cols:(rank + 1) * cols].t())"),
+    ("6.4", "return [2 * layers, hidden * dtype_bytes]"),
+    ("6.4", "import numpy as np\nreturn np.int64(2 * layers), np.int64(hidden) * dtype_bytes"),
+]
+
+
+@pytest.mark.parametrize("exercise, code", [*sorted(ALTERNATIVES.items()), *MORE_ALTERNATIVES],
+                         ids=[*sorted(ALTERNATIVES), *(f"{e}-more-{i}" for i, (e, _) in enumerate(MORE_ALTERNATIVES))])
+def test_alternative_answers_pass(exercise, code):
+    mod = load({exercise: code})
     checker, fn = {"6.1": ("check_bus_factor", "bus_factor"), "6.2": ("check_column_parallel", "column_parallel_linear"),
                    "6.3": ("check_row_parallel", "row_parallel_linear"),
                    "6.4": ("check_collectives_per_token", "collectives_per_token")}[exercise]
@@ -512,6 +529,57 @@ WRONG = [
      "two per layer"),
     ("6.4", "return 2 * layers, hidden", "check_collectives_per_token", "collectives_per_token", "bytes, not numbers"),
     ("6.4", "return 2 * layers", "check_collectives_per_token", "collectives_per_token", "return a pair"),
+    # 6.1: integer division is floor division, named as such; the other mistakes named by what they compute
+    ("6.1", "return 2 * (n - 1) // n if collective == 'all_reduce' else 1.0 if collective == 'broadcast' else (n - 1) // n",
+     "check_bus_factor", "bus_factor", "all_reduce on 3 ranks: expected 1.333, got 1; `//` is floor division"),
+    ("6.1", "return 2 * ((n - 1) // n) if collective == 'all_reduce' else 1.0 if collective == 'broadcast' else (n - 1) / n",
+     "check_bus_factor", "bus_factor", "all_reduce on 2 ranks: expected 1, got 0; `//` is floor division"),
+    ("6.1", "return 2 * (n - 1) / n if collective == 'all_reduce' else 1.0 if collective == 'broadcast' else (n - 1) // n",
+     "check_bus_factor", "bus_factor", "all_gather on 2 ranks: expected 0.5, got 0; `//` is floor division"),
+    ("6.1", "return (n / (2 * (n - 1)) if n > 1 else 0.0) if collective == 'all_reduce' else 1.0 if collective == "
+            "'broadcast' else (n - 1) / n", "check_bus_factor", "bus_factor", "upside down"),
+    ("6.1", "return 2 * n / (n + 1) if collective == 'all_reduce' else 1.0 if collective == 'broadcast' else (n - 1) / n",
+     "check_bus_factor", "bus_factor", "off by one in n"),
+    ("6.1", "return 1.0 if collective == 'broadcast' else 2 * (n - 1) / n", "check_bus_factor", "bus_factor",
+     "all_gather on 2 ranks: expected 0.5, got 1; only an all-reduce moves the data twice"),
+    ("6.1", "return 1.0 if collective in ('all_reduce', 'broadcast') else (n - 1) / n", "check_bus_factor",
+     "bus_factor", "all_reduce on 3 ranks: expected 1.333, got 1$"),
+    ("6.1", "return {'all_reduce': 2 * (n - 1) / n, 'all_gather': (n - 1) / n, 'broadcast': 1.0}[collective]",
+     "check_bus_factor", "bus_factor", "on bus_factor\\('reduce_scatter', 2\\) your code raised KeyError"),
+    ("6.1", "return f'{2 * (n - 1) / n:.3f}'", "check_bus_factor", "bus_factor", "should return a number, got '1.000'"),
+    # 6.2 and 6.3: shape and dtype slips are hints that name the inputs, never a traceback
+    ("6.2", "rows = weight.shape[0] // world\nreturn x @ weight[rank * rows:(rank + 1) * rows]", "check_column_parallel",
+     "column_parallel_linear", "on x \\[1, 8\\] float64, weight \\[8, 8\\] float64, rank=0, world=2 your code raised "
+     "RuntimeError: .*the shapes do not multiply"),
+    ("6.2", "rows = weight.shape[0] // world\nreturn x.float() @ weight[rank * rows:(rank + 1) * rows].float().T",
+     "check_column_parallel", "column_parallel_linear", "return the result in x's dtype \\(float64\\), got float32"),
+    ("6.2", "rows = weight.shape[0] // world\nreturn list(x @ weight[rank * rows:(rank + 1) * rows].T)",
+     "check_column_parallel", "column_parallel_linear", "return a tensor, got list"),
+    ("6.2", "rows = weight.shape[1] // world\nreturn x @ weight[rank * rows:(rank + 1) * rows].T",
+     "check_column_parallel", "column_parallel_linear", "3 tokens, 12 -> 24, 4 ranks\\): shape: each rank returns"),
+    ("6.2", "rows = weight.shape[0] // world\nreturn x @ weight[(world - 1 - rank) * rows:(world - rank) * rows].T",
+     "check_column_parallel", "column_parallel_linear", "yours gives rank r the share of rank world-1-r"),
+    ("6.3", "cols = weight.shape[1] // world\nreturn (x_part.float() @ weight[:, rank * cols:(rank + 1) * cols].float().T)",
+     "check_row_parallel", "row_parallel_linear", "return the result in x's dtype \\(float64\\), got float32"),
+    ("6.3", "cols = weight.shape[1] // world\nreturn weight[:, rank * cols:(rank + 1) * cols] @ x_part.T",
+     "check_row_parallel", "row_parallel_linear", "each rank returns a partial output of the full shape \\[1, 8\\], got "
+     "\\[\\(8, 1\\)\\]"),
+    ("6.3", "cols = weight.shape[1] // world\nreturn x_part @ weight[:, rank * cols:(rank + 1) * cols].T * world",
+     "check_row_parallel", "row_parallel_linear", "each rank returns only its own partial product"),
+    ("6.3", "cols = weight.shape[1] // world\nreturn torch.mm(x_part, weight[:, rank * cols:(rank + 1) * cols].T.float())",
+     "check_row_parallel", "row_parallel_linear", "on x_part \\[1, 4\\] float64 \\(a strided slice\\), weight \\[8, 8\\] "
+     "float64, rank=0, world=2 your code raised RuntimeError"),
+    # 6.4: units and counts
+    ("6.4", "return 2 * layers, hidden * dtype_bytes * 8", "check_collectives_per_token", "collectives_per_token",
+     "bytes, not bits"),
+    ("6.4", "return 7 * layers, hidden * dtype_bytes", "check_collectives_per_token", "collectives_per_token",
+     "only the row-parallel layers"),
+    ("6.4", "return 2 * layers - 1, hidden * dtype_bytes", "check_collectives_per_token", "collectives_per_token",
+     "count the row-parallel layers of one decoder layer"),
+    ("6.4", "return {'count': 2 * layers, 'bytes': hidden * dtype_bytes}", "check_collectives_per_token",
+     "collectives_per_token", "return a pair of numbers"),
+    ("6.4", "return 2 * layers, hidden * dtype_bytes * layers", "check_collectives_per_token", "collectives_per_token",
+     "each all-reduce carries one token's hidden vector"),
 ]
 
 
@@ -520,6 +588,20 @@ def test_wrong_answers_fail_with_their_hint(exercise, code, checker, fn, hint):
     mod = load({exercise: code})
     with pytest.raises(ExerciseFailed, match=hint):
         getattr(graders, checker)(getattr(mod, fn))
+
+
+def test_the_misleading_6_1_hints_are_gone():
+    """Integer division is not steered toward another formula, and an all-reduce of factor 1 is not told it is an
+    all-gather."""
+    mod = load({"6.1": "return 1.0 if collective in ('all_reduce', 'broadcast') else (n - 1) / n"})
+    with pytest.raises(ExerciseFailed) as err:
+        graders.check_bus_factor(mod.bus_factor)
+    assert "1/n of the result" not in str(err.value)
+    mod = load({"6.1": "return 2 * (n - 1) // n if collective == 'all_reduce' else 1.0 if collective == 'broadcast' "
+                       "else (n - 1) / n"})
+    with pytest.raises(ExerciseFailed) as err:
+        graders.check_bus_factor(mod.bus_factor)
+    assert "floor division" in str(err.value) and "(n-1)/n of the buffer" not in str(err.value)
 
 
 def test_lab_with_a_wrong_answer_stops_at_its_grade(tmp_path, build_dir):

@@ -288,6 +288,23 @@ RUNNABLE_WRONG = [
         same = [t for t in arch_list if doctor.family(t) == doctor.family(arch)]
         return arch if arch in arch_list else (same[0] if same else None)
     return doctor.runnable_target(arch, arch_list)""", "gfx1100 code is not gfx1151 code"),
+    # a higher minor of the same major taken too: caught by the other direction of the rule
+    ("""\
+    if arch.startswith("gfx") or arch in arch_list:
+        return doctor.runnable_target(arch, arch_list)
+    same = [t for t in arch_list if t.startswith("sm_") and t[3:].isdigit() and t[3:-1] == arch[3:-1]]
+    return max(same) if same else doctor.runnable_target(arch, arch_list)""",
+     "a higher minor's machine code never runs on a lower one"),
+    ("""\
+    if arch.startswith("gfx"):
+        generic = doctor.family(arch)
+        return generic if generic in arch_list else arch if arch in arch_list else None
+    return doctor.runnable_target(arch, arch_list)""", "the chip's own code objects come first"),
+    ("""\
+    major = int(arch.split("_")[1][:-1])
+    return doctor.runnable_target(arch, arch_list)""",
+     r"on runnable_target\('gfx942', \[.*\]\) your code raised IndexError"),
+    ("    return [doctor.runnable_target(arch, arch_list)]", r"expected 'sm_90', got \['sm_90'\]"),
 ]
 
 
@@ -312,6 +329,15 @@ CULPRIT_WRONG = [
     return worst.name if worst is not None and worst.isolated > tol else None""", "not the one with the largest error"),
     ("""\
     return next((r.name for r in rows if r.isolated is not None and r.isolated > tol), None)""", "NaN is above every"),
+    ("""\
+    return next(r for r in rows if r.isolated is not None and not r.isolated <= tol).name""",
+     r"on culprit\(\[Row\(name='a'.*\], 0.002\) your code raised StopIteration"),
+    ("""\
+    return next((r for r in rows if r.isolated is not None and not r.isolated <= tol), None)""",
+     r"expected 'self_attn', got Row\(name='self_attn'"),
+    ("""\
+    return next((r.name for r in rows if r.isolated is not None and not r.isolated < tol), None)""",
+     "an error equal to the tolerance is within it"),
 ]
 
 
@@ -340,7 +366,16 @@ GEMV_WRONG = [
     for k in range(0, x.shape[1], 32):   # a tile of 32 in fp32, the running sum in bf16
         acc = (acc.float() + x[:, k:k + 32].float() @ weight[:, k:k + 32].float().t()).bfloat16()
     return acc.to(x.dtype)""", "loses bits"),
-    ("    return x.float() @ weight.float().t()", "shape and dtype"),
+    ("    return x.float() @ weight.float().t()", r"shape and dtype: .*; return it in x's dtype \(.to\(x.dtype\)\)"),
+    ("    return (x.float() @ weight.float()).to(x.dtype)",
+     r"on x \[1, 576\] bfloat16, weight \[37, 576\] bfloat16 your code raised RuntimeError: .*weight is \(out, k\), "
+     "so it is transposed"),
+    ("    return (x.float() @ weight.t()).to(x.dtype)",
+     r"on x \[1, 576\] bfloat16, .* your code raised RuntimeError: .*both operands of a matmul need the same dtype"),
+    ("    return (x.float() @ weight.float().t()).numpy()", "return a tensor, got ndarray"),
+    ("""\
+    rows = torch.as_strided(x, x.shape, (x.shape[1], 1))     # as a kernel that assumes contiguous rows reads x
+    return (rows.float() @ weight.float().t()).to(x.dtype)""", "x here is a strided view"),
 ]
 
 
@@ -349,6 +384,9 @@ def test_grader_7_3(ref, tiny):
     graders.check_gemv(ref.gemv, model, captured, tokens, 6)
     alt = _answers("7.3", "    return torch.nn.functional.linear(x, weight)")    # the library sums in fp32 too
     graders.check_gemv(alt.gemv, model, captured, tokens, 6)
+    for alt in ("    return torch.einsum('rk,ok->ro', x.float(), weight.float()).to(x.dtype)",
+                "    return torch.mm(x.contiguous().double(), weight.double().T).to(x.dtype)"):
+        graders.check_gemv(_answers("7.3", alt).gemv)
     for code, hint in GEMV_WRONG:
         wrong = solutions.load("07", answers={"7.3": "    from utils.clinic import faults\n" + code if "faults" in code else code})
         with pytest.raises(ExerciseFailed, match=hint):
@@ -373,6 +411,15 @@ MASK_WRONG = [
     ("""\
     causal = torch.ones(q_len, real.shape[-1], dtype=torch.bool).tril()   # top-left aligned
     return causal[None, None] & real[:, None, None, :]""", "misses real keys"),
+    ("""\
+    return faults.causal(q_len, real.shape[-1]) & real""",
+     r"on real \[3, 9\] bool, q_len=9 your code raised RuntimeError"),
+    ("""\
+    return (faults.causal(q_len, real.shape[-1])[None, None] & real[:, None, None, :]).long()""",
+     "expected a bool tensor of shape \\(3, 1, 9, 9\\), got torch.int64"),
+    ("""\
+    return faults.causal(q_len, real.shape[-1])[None] & real[:, None, :]""",
+     "expected a bool tensor of shape \\(3, 1, 9, 9\\), got torch.bool \\(3, 9, 9\\)"),
 ]
 
 
@@ -392,24 +439,32 @@ def test_grader_7_4_also_runs_the_model(tiny, monkeypatch):
     """With the table cases out of the way, the model run alone catches a wrong mask."""
     model, captured, tokens = tiny
     monkeypatch.setattr(graders, "MASK_CASES", [])
+    monkeypatch.setattr(graders, "MORE_MASK_CASES", [])
     with pytest.raises(ExerciseFailed, match="no module diverges"):
         graders.check_keep_mask(faults.keep_right_padded, model, captured, tokens, 6)
     assert model.config._attn_implementation == "sdpa"
 
 
 def test_grader_7_5(ref, tiny):
+    """Right names pass; every wrong one fails with a hint that never names the answer."""
     model, captured, _ = tiny
     with faults.inject(model, "d"):
         found = dv.find(captured, model)
     graders.check_prediction(ref.predicted_rope_culprit, found)
-    for guess, hint in (("model.layers.0.self_attn", "applied inside attention"), ("lm_head", "Which module computes")):
+    for guess, hint in (("model.layers.0.self_attn", "applied inside attention"), ("lm_head", "Which module computes"),
+                        ("rotary_emb", "the full name from the model's root"),
+                        ("model.layers.1.self_attn.rotary_emb", "applied inside attention"),
+                        ("rope", "(?i)no module of that name runs in this model's forward pass")):
         wrong = _answers("7.5", f"    return {guess!r}")
-        with pytest.raises(ExerciseFailed, match=hint):
+        with pytest.raises(ExerciseFailed, match=hint) as err:
             graders.check_prediction(wrong.predicted_rope_culprit, found)
+        assert "model.rotary_emb" not in str(err.value).replace(f"{guess!r}", ""), str(err.value)
     with pytest.raises(ExerciseFailed, match="a module name"):
         graders.check_prediction(lambda: None, found)
-    alt = _answers("7.5", '    return ".".join(["model", "rotary_emb"])')
-    graders.check_prediction(alt.predicted_rope_culprit, found)
+    with pytest.raises(ExerciseFailed, match="on predicted_rope_culprit\\(\\) your code raised NameError"):
+        graders.check_prediction(_answers("7.5", "    return rotary_emb.name").predicted_rope_culprit, found)
+    for right in ('    return ".".join(["model", "rotary_emb"])', '    return " model.rotary_emb\\n"'):
+        graders.check_prediction(_answers("7.5", right).predicted_rope_culprit, found)
 
 
 def test_the_generated_lab_with_an_alternative_and_a_wrong_answer(tmp_path, build_dir):

@@ -150,12 +150,33 @@ def is_exercise_stub_error(ename: str, evalue: str) -> bool:
     return f"NotImplementedError('{EXERCISE_NOT_DONE}" in evalue or f'NotImplementedError("{EXERCISE_NOT_DONE}' in evalue
 
 
-def _is_not_done(exc: BaseException) -> bool:
+def is_not_done(exc: BaseException) -> bool:
+    """Whether `exc` (or what it came from) is an unfinished exercise's stub: NOT DONE, not a wrong answer."""
     while exc is not None:
         if EXERCISE_NOT_DONE in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception's type and first line; for Triton's interpreter, which wraps the error it met, the error inside."""
+    while type(exc).__name__ == "InterpreterError" and exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else '(no message)'}"
+
+
+def call_answer(name: str, f, args, inputs: str, hint=None):
+    """f(*args) for a grader: an exception from the learner's code becomes a failed check naming the inputs (a
+    stub's stays NOT DONE); `hint(exc)` may add what the exception usually means."""
+    try:
+        return f(*args)
+    except Exception as exc:
+        if is_not_done(exc) or isinstance(exc, ExerciseFailed):
+            raise
+        why = error_line(exc) + (hint(exc) if hint else "")
+    check(name, False, f"on {inputs} your code raised {why}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -208,7 +229,7 @@ class Lab:
             self._set(exercise, title, "failed", answer)
             raise ExerciseFailed(f"exercise {exercise} ({title}): {exc}") from None
         except Exception as exc:
-            if _is_not_done(exc):
+            if is_not_done(exc):
                 return self._not_done(exercise, title)
             self._set(exercise, title, "failed", answer)   # a traceback is never a verdict: a hint that names it
             raise ExerciseFailed(f"exercise {exercise} ({title}): your code raised {type(exc).__name__}: "

@@ -2,20 +2,11 @@
 import math
 import numbers
 
-from utils.exercises import ExerciseFailed, check
-from utils.solutions import EXERCISE_NOT_DONE
+from utils.exercises import ExerciseFailed, check, is_not_done
 
 
 def _number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _not_done(err: BaseException) -> bool:
-    while err is not None:
-        if EXERCISE_NOT_DONE in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def _call(name: str, f, args: tuple):
@@ -26,7 +17,7 @@ def _call(name: str, f, args: tuple):
     except ExerciseFailed:
         raise
     except Exception as err:
-        if _not_done(err):
+        if is_not_done(err):
             raise
         text = (str(err).strip().split("\n") or [""])[0][:200]
         check(call, False, f"raised {type(err).__name__}: {text}; it takes numbers and returns a number")

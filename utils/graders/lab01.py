@@ -11,22 +11,13 @@ import numpy as np
 import torch
 
 from utils import isa
-from utils.exercises import ExerciseFailed, check
-from utils.solutions import EXERCISE_NOT_DONE
+from utils.exercises import ExerciseFailed, check, is_not_done
 
 
 def _fail_unless(name, ok, hint):
     """check() that prints nothing when it passes (the caller prints one PASS line for many cases)."""
     if not ok:
         check(name, False, hint)
-
-
-def _not_done(err: BaseException) -> bool:
-    while err is not None:
-        if EXERCISE_NOT_DONE in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def _call(name: str, where: str, fn, *args):
@@ -37,7 +28,7 @@ def _call(name: str, where: str, fn, *args):
     except ExerciseFailed:
         raise
     except Exception as err:
-        if _not_done(err):
+        if is_not_done(err):
             raise
         text = (str(err).strip().split("\n") or [""])[0][:240]
         check(name, False, f"raised {type(err).__name__} for {where}: {text}")

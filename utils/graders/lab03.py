@@ -5,8 +5,7 @@ import torch
 import triton
 
 from utils import solutions
-from utils.exercises import check
-from utils.solutions import EXERCISE_NOT_DONE
+from utils.exercises import check, error_line, is_not_done
 
 TOLERANCE = {"cuda": 1e-2, "rocm": 2e-2, "cpu": 1e-2}   # relative Frobenius error of a BF16 product
 
@@ -19,19 +18,8 @@ def rel_error(c, a, b):
 
 def _raise_if_not_done(err: BaseException) -> None:
     """Let an exercise stub's own error through (the lab says NOT DONE for it); anything else is the answer's."""
-    e = err
-    while e is not None:
-        if EXERCISE_NOT_DONE in str(e):
-            raise err
-        e = e.__cause__ or e.__context__
-
-
-def _first_line(err: BaseException) -> str:
-    """The error's type and first line; for Triton's interpreter, which wraps the error it met, the error inside."""
-    while type(err).__name__ == "InterpreterError" and err.__cause__ is not None:
-        err = err.__cause__
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"
+    if is_not_done(err):
+        raise err
 
 
 def _describe(t) -> str:
@@ -55,7 +43,7 @@ def check_intensity(intensity):
             got = intensity(n)
         except Exception as err:                     # the stub's NotImplementedError: NOT DONE
             _raise_if_not_done(err)
-            check(f"intensity({n})", False, f"intensity({n}) raised {_first_line(err)}: return a number (FLOP per byte)")
+            check(f"intensity({n})", False, f"intensity({n}) raised {error_line(err)}: return a number (FLOP per byte)")
         number = isinstance(got, numbers.Real) and not isinstance(got, bool)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got, number = got.item(), True
@@ -155,7 +143,7 @@ def check_matmul(matmul, device="cpu"):
                 c = matmul(a, b)
             except Exception as err:                 # the stub's NotImplementedError: NOT DONE
                 _raise_if_not_done(err)
-                check(name, False, f"matmul(a, b) with a {_describe(a)} and b {_describe(b)} raised {_first_line(err)}: "
+                check(name, False, f"matmul(a, b) with a {_describe(a)} and b {_describe(b)} raised {error_line(err)}: "
                                    f"{_crash_hint(err)}")
             if not isinstance(c, torch.Tensor) or tuple(c.shape) != (m, n):
                 check(f"{stage}: result shape", False, f"C must be a {m}x{n} tensor, got {_describe(c)}")
@@ -238,7 +226,7 @@ def check_tf32_round(tf32_round, device="cpu"):
         except Exception as err:                     # the stub's NotImplementedError: NOT DONE
             _raise_if_not_done(err)
             hint = str(err) if "mask the store" in str(err) else \
-                f"tf32_round(x) with x {_describe(x)} raised {_first_line(err)}" + \
+                f"tf32_round(x) with x {_describe(x)} raised {error_line(err)}" + \
                 ("; a bitcast keeps the size: view x's 32 bits as tl.int32, and the result's as tl.float32"
                  if "bitcast" in str(err) else "")
             check(f"TF32 rounding of {n} values", False, hint)

@@ -8,8 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 
 from utils import solutions
-from utils.exercises import check, unfinished
-from utils.solutions import EXERCISE_NOT_DONE
+from utils.exercises import check, error_line, is_not_done, unfinished
 
 LAYOUTS = ("contiguous", "model", "q_transposed", "v_transposed", "head_dim_slice", "kv_broadcast")
 
@@ -68,19 +67,8 @@ def within_tolerance(out, q, k, v, causal=False, sm_scale=None, floor=1e-3):
 
 def _raise_if_not_done(err: BaseException) -> None:
     """Let an exercise stub's own error through (the lab says NOT DONE for it); anything else is the answer's."""
-    e = err
-    while e is not None:
-        if EXERCISE_NOT_DONE in str(e):
-            raise err
-        e = e.__cause__ or e.__context__
-
-
-def _first_line(err: BaseException) -> str:
-    """The error's type and first line; for Triton's interpreter, which wraps the error it met, the error inside."""
-    while type(err).__name__ == "InterpreterError" and err.__cause__ is not None:
-        err = err.__cause__
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0][:300] if lines else '(no message)'}"
+    if is_not_done(err):
+        raise err
 
 
 def _describe(t) -> str:
@@ -100,7 +88,7 @@ def check_prediction(predict, measured):
             return predict(batch, heads, n)
         except Exception as err:                     # the stub's NotImplementedError: NOT DONE
             _raise_if_not_done(err)
-            check(name, False, f"predict_peak_bytes({batch}, {heads}, {n}) raised {_first_line(err)}: return a "
+            check(name, False, f"predict_peak_bytes({batch}, {heads}, {n}) raised {error_line(err)}: return a "
                                "number of bytes")
 
     def off(want, got):
@@ -168,7 +156,7 @@ def _run(attention, q, k, v, causal, sm_scale, name):
         where = ("the arguments of your two attn_blocks calls (as in flash_attention's non-causal call, with "
                  "CAUSAL=True), then " if causal else "")
         check(name, False, f"attention(q, k, v, causal={causal}{'' if sm_scale is None else f', sm_scale={sm_scale}'}) "
-                           f"with q, k, v {_describe(q)} raised {_first_line(err)}: check {where}the shapes and dtypes "
+                           f"with q, k, v {_describe(q)} raised {error_line(err)}: check {where}the shapes and dtypes "
                            "of the tiles in the online-softmax update (p is BLOCK_M x BLOCK_N, acc BLOCK_M x D; l_i and "
                            "m_i one value per row; tl.dot takes p.to(v.dtype))")
 
@@ -384,7 +372,7 @@ def check_tiles(attention, config_for, head_dim, device):
         config = config_for(head_dim, device)
     except Exception as err:                         # the stub's NotImplementedError: NOT DONE
         _raise_if_not_done(err)
-        check("your tiles are a valid config", False, f"my_config({head_dim}, {device!r}) raised {_first_line(err)}")
+        check("your tiles are a valid config", False, f"my_config({head_dim}, {device!r}) raised {error_line(err)}")
     try:
         lab.check_config(config)
     except ValueError as err:

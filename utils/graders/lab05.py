@@ -6,30 +6,8 @@ import numpy as np
 import torch
 
 from utils import solutions
-from utils.exercises import check
+from utils.exercises import call_answer, check
 from utils.llm import loadgen, models
-from utils.solutions import EXERCISE_NOT_DONE
-
-
-def _stub(exc: BaseException) -> bool:
-    """Whether `exc` (or what it came from) is an unfinished exercise's stub: NOT DONE, not a wrong answer."""
-    while exc is not None:
-        if EXERCISE_NOT_DONE in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _call(name, f, args, inputs):
-    """f(*args); an exception from the learner's code becomes a hint naming the inputs (a stub's stays NOT DONE)."""
-    try:
-        return f(*args)
-    except Exception as exc:
-        if _stub(exc):
-            raise
-        text = (str(exc).strip().split("\n") or [""])[0][:300]
-        why = f"{type(exc).__name__}: {text}"
-    check(name, False, f"on {inputs} your code raised {why}")
 
 
 def _number(x):
@@ -56,7 +34,7 @@ DECODE_CASES = [(3350, 16e9), (5300, 141.1e9), (17.5, 0.54e9), (1, 1), (819.2, 3
 def check_decode_ceiling(f):
     got = []
     for bandwidth, nbytes in DECODE_CASES:
-        value = _call("decode_ceiling", f, (bandwidth, nbytes), f"decode_ceiling({bandwidth}, {nbytes:g})")
+        value = call_answer("decode_ceiling", f, (bandwidth, nbytes), f"decode_ceiling({bandwidth}, {nbytes:g})")
         if _number(value) is None:
             check("decode_ceiling", False, f"decode_ceiling({bandwidth}, {nbytes:g}) should return a number of "
                                            f"tokens per second, got {value!r}")
@@ -94,7 +72,7 @@ KV_CASES = [("Llama-3.1-8B in BF16", 32, 8, 128, 2), ("Llama-3.1-70B in BF16", 8
 def check_kv_bytes_per_token(f):
     got = []
     for what, layers, kv_heads, head_dim, nbytes in KV_CASES:
-        value = _call("kv_bytes_per_token", f, (layers, kv_heads, head_dim, nbytes),
+        value = call_answer("kv_bytes_per_token", f, (layers, kv_heads, head_dim, nbytes),
                       f"kv_bytes_per_token({layers}, {kv_heads}, {head_dim}, {nbytes}) ({what})")
         if _number(value) is None:
             check("kv_bytes_per_token", False, f"{what}: return a number of bytes, got {value!r}")
@@ -125,7 +103,7 @@ def check_kv_bytes_per_token(f):
 
 def check_prediction(predict, want):
     """The prediction of 5.3 against the table's count (one sequence either way is fine)."""
-    value = _call("prediction", predict, (), "predicted_sequences()")
+    value = call_answer("prediction", predict, (), "predicted_sequences()")
     got = _number(value)
     if got is None or not math.isfinite(got):
         check("prediction", False, f"return a number of sequences, got {value!r}")
@@ -213,7 +191,7 @@ def check_paged_attention(f, device="cpu"):
     for i, (what, lengths, hq, hkv, d, block, dtype, scale, poisoned, strided) in enumerate(PAGED_CASES):
         inputs = _paged_inputs(lengths, hq, hkv, d, block, dtype, scale, poisoned, strided, device, seed=len(what) + i)
         q = inputs[0]
-        got = _call("paged_attention", f, inputs, f"{what} ({_describe(inputs)})")
+        got = call_answer("paged_attention", f, inputs, f"{what} ({_describe(inputs)})")
         want = _attention(*inputs)
         shape = (q.shape[0], q.shape[1], q.shape[2])
         if not isinstance(got, torch.Tensor):
@@ -360,7 +338,7 @@ def check_request_metrics(f):
         want = loadgen.request_metrics(start, chunks, end, n)
         inputs = (f"{what} (start={start:g}, chunks={[(round(t, 4), k) for t, k in chunks]}, end={end:g}, "
                   f"output_tokens={n})")
-        got = _call("request_metrics", f, (start, list(chunks), end, n), inputs)
+        got = call_answer("request_metrics", f, (start, list(chunks), end, n), inputs)
         if not isinstance(got, dict) or not {"ttft", "tpot", "itl", "e2e"} <= set(got):
             check("request_metrics", False, f"return a dict with keys 'ttft', 'tpot', 'itl', 'e2e', got {got!r}")
         for key in ("ttft", "e2e", "tpot", "itl"):

@@ -5,31 +5,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from utils.exercises import check
+from utils.exercises import call_answer, check
 from utils.multigpu import collectives
-from utils.solutions import EXERCISE_NOT_DONE
-
-
-def _stub(exc: BaseException) -> bool:
-    """Whether `exc` (or what it came from) is an unfinished exercise's stub: NOT DONE, not a wrong answer."""
-    while exc is not None:
-        if EXERCISE_NOT_DONE in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _call(name, f, args, inputs, hint=None):
-    """f(*args); an exception from the learner's code becomes a hint naming the inputs (a stub's stays NOT DONE).
-    `hint(exc)` may add what the exception usually means."""
-    try:
-        return f(*args)
-    except Exception as exc:
-        if _stub(exc):
-            raise
-        text = (str(exc).strip().split("\n") or [""])[0][:300]
-        why = f"{type(exc).__name__}: {text}" + (hint(exc) if hint else "")
-    check(name, False, f"on {inputs} your code raised {why}")
 
 
 def _number(x):
@@ -79,7 +56,7 @@ def check_bus_factor(f):
     for collective in collectives.COLLECTIVES:
         got = {}
         for n in RANKS:
-            value = _call("bus_factor", f, (collective, n), f"bus_factor({collective!r}, {n})")
+            value = call_answer("bus_factor", f, (collective, n), f"bus_factor({collective!r}, {n})")
             if _number(value) is None:
                 check("bus_factor", False, f"bus_factor({collective!r}, {n}) should return a number, got {value!r}")
             got[n] = _number(value)
@@ -157,7 +134,7 @@ def check_column_parallel(f):
         parts = []
         for rank in range(world):
             inputs = f"x {_kind(x)}, weight {_kind(w)}, rank={rank}, world={world}"
-            parts.append(_call(name, f, (x, w, rank, world), inputs, _shape_slip))
+            parts.append(call_answer(name, f, (x, w, rank, world), inputs, _shape_slip))
             _tensor(name, parts[-1], x, inputs)
         say(name + " leaves its inputs alone", torch.equal(x, x0) and torch.equal(w, w0), "x or weight was modified")
         shapes = {tuple(p.shape) for p in parts}
@@ -189,7 +166,7 @@ def check_row_parallel(f):
         for r in range(world):
             part = x[:, r * cols:(r + 1) * cols]
             inputs = f"x_part {_kind(part)} (a strided slice), weight {_kind(w)}, rank={r}, world={world}"
-            parts.append(_call(name, f, (part, w, r, world), inputs, lambda exc: (
+            parts.append(call_answer(name, f, (part, w, r, world), inputs, lambda exc: (
                 ": x_part holds in/world input features; multiply it by the matching columns of weight, "
                 "weight[:, rank*in/world:(rank+1)*in/world]" if _shape_slip(exc) else "")))
             _tensor(name, parts[-1], x, inputs)
@@ -213,7 +190,7 @@ def check_row_parallel(f):
     split = 0
     for r in range(4):
         h = F.silu(_reference_columns(x, wg, r, 4)) * _reference_columns(x, wu, r, 4)
-        part = _call("row_parallel_linear", f, (h, wd, r, 4), f"an MLP's down_proj, x_part {_kind(h)}, weight "
+        part = call_answer("row_parallel_linear", f, (h, wd, r, 4), f"an MLP's down_proj, x_part {_kind(h)}, weight "
                                                               f"{_kind(wd)}, rank={r}, world=4")
         _tensor("row_parallel_linear", part, h, f"an MLP's down_proj on rank {r}")
         split = split + part
@@ -226,7 +203,7 @@ def check_collectives_per_token(f):
     for layers, hidden, nbytes in ((32, 4096, 2), (2, 128, 4), (80, 8192, 2), (1, 64, 1), (3, 96, 4)):
         shown = layers != 3             # the notebook's stored output lists the other four
         want = 2 * layers, hidden * nbytes      # after o_proj and after down_proj, one token's hidden vector
-        got = _call("collectives_per_token", f, (layers, hidden, nbytes),
+        got = call_answer("collectives_per_token", f, (layers, hidden, nbytes),
                     f"collectives_per_token({layers}, {hidden}, {nbytes})")
         try:
             count, size = got

@@ -5,30 +5,7 @@ import torch
 
 from utils.clinic import divergence, doctor, faults
 from utils.clinic.divergence import Row
-from utils.exercises import check
-from utils.solutions import EXERCISE_NOT_DONE
-
-
-def _stub(exc: BaseException) -> bool:
-    """Whether `exc` (or what it came from) is an unfinished exercise's stub: NOT DONE, not a wrong answer."""
-    while exc is not None:
-        if EXERCISE_NOT_DONE in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _call(name, f, args, inputs, hint=None):
-    """f(*args); an exception from the learner's code becomes a hint naming the inputs (a stub's stays NOT DONE).
-    `hint(exc)` may add what the exception usually means."""
-    try:
-        return f(*args)
-    except Exception as exc:
-        if _stub(exc):
-            raise
-        text = (str(exc).strip().split("\n") or [""])[0][:300]
-        why = f"{type(exc).__name__}: {text}" + (hint(exc) if hint else "")
-    check(name, False, f"on {inputs} your code raised {why}")
+from utils.exercises import call_answer, check
 
 
 def _quiet(name, ok, hint):
@@ -75,7 +52,7 @@ def check_runnable_target(fn) -> None:
                                     *((case, _quiet) for case in MORE_RUNNABLE_CASES)]:
         name = f"{arch} on [{' '.join(archs[:3])}{' ...' if len(archs) > 3 else ''}]"
         want = doctor.runnable_target(arch, archs)
-        got = _call(name, fn, (arch, list(archs)), f"runnable_target({arch!r}, {archs})")
+        got = call_answer(name, fn, (arch, list(archs)), f"runnable_target({arch!r}, {archs})")
         say(name, isinstance(got, (str, type(None))) and got == want, f"{why}: expected {want!r}, got {got!r}")
 
 
@@ -107,7 +84,7 @@ def check_culprit(fn) -> None:
     for (rows, tol, want, why), say in [*((case, check) for case in CULPRIT_CASES),
                                         *((case, _quiet) for case in MORE_CULPRIT_CASES)]:
         name = f"culprit of [{', '.join(r.name for r in rows)}]"
-        got = _call(name, fn, (list(rows), tol), f"culprit({rows}, {tol})")
+        got = call_answer(name, fn, (list(rows), tol), f"culprit({rows}, {tol})")
         say(name, isinstance(got, (str, type(None))) and got == want, f"{why}: expected {want!r}, got {got!r}")
 
 
@@ -147,7 +124,7 @@ def check_gemv(fn, model=None, captured=None, ref_tokens=None, new_tokens: int =
     for x, w, shown in _gemv_cases():
         say = check if shown else _quiet
         name = f"{tuple(x.shape)} @ {tuple(w.shape)}.T in {str(x.dtype).replace('torch.', '')}"
-        got = _call(name, fn, (x, w), f"x {_kind(x)}, weight {_kind(w)}", _matmul_slip)
+        got = call_answer(name, fn, (x, w), f"x {_kind(x)}, weight {_kind(w)}", _matmul_slip)
         if not isinstance(got, torch.Tensor):
             check(f"{name}: shape and dtype", False, f"return a tensor, got {type(got).__name__}")
         if tuple(got.shape) != (x.shape[0], w.shape[0]) or got.dtype != x.dtype:
@@ -165,7 +142,7 @@ def check_gemv(fn, model=None, captured=None, ref_tokens=None, new_tokens: int =
     if model is not None:
         handle = model.lm_head.register_forward_hook(faults.gemv_hook(fn))
         try:
-            found = _call("the model with your GEMV", divergence.find, (captured, model),
+            found = call_answer("the model with your GEMV", divergence.find, (captured, model),
                           "the model's lm_head (x is its input, reshaped to (tokens, hidden))")
             tokens = divergence.generate(model, captured.batch, new_tokens)
         finally:
@@ -199,7 +176,7 @@ def check_keep_mask(fn, model=None, captured=None, ref_tokens=None, new_tokens: 
                                      *((case, _quiet) for case in MORE_MASK_CASES)]:
         want = faults.keep_left_padded(real, q_len)
         name = f"{what}: lengths {real.sum(1).tolist()} of {real.shape[1]}, {q_len} queries"
-        got = _call(name, fn, (real.clone(), q_len), f"real {_kind(real)}, q_len={q_len}")
+        got = call_answer(name, fn, (real.clone(), q_len), f"real {_kind(real)}, q_len={q_len}")
         if not isinstance(got, torch.Tensor):
             check(f"{name}: shape", False, f"expected a bool tensor of shape {tuple(want.shape)}, got "
                                            f"{type(got).__name__}")
@@ -223,7 +200,7 @@ def check_keep_mask(fn, model=None, captured=None, ref_tokens=None, new_tokens: 
     if model is not None:
         before = faults.use_attention(model, "lab07_your_mask", faults.attention_function(fn))
         try:
-            found = _call("the model with your mask", divergence.find, (captured, model),
+            found = call_answer("the model with your mask", divergence.find, (captured, model),
                           "the model's attention (real from its attention mask)")
             tokens = divergence.generate(model, captured.batch, new_tokens)
         finally:
@@ -234,7 +211,7 @@ def check_keep_mask(fn, model=None, captured=None, ref_tokens=None, new_tokens: 
 
 
 def check_prediction(fn, found) -> None:
-    guess = _call("a module name", fn, (), "predicted_rope_culprit()")
+    guess = call_answer("a module name", fn, (), "predicted_rope_culprit()")
     check("a module name", isinstance(guess, str) and guess.strip() != "", f"return a name such as 'lm_head', not {guess!r}")
     if guess.strip() == found.culprit:
         check(f"your prediction {guess!r}", True, "")

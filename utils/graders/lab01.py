@@ -96,9 +96,9 @@ def _stray(seen: list, allowed: list[torch.Tensor], buffers: list[torch.Tensor])
 def _nearest(strays: np.ndarray, tensors: dict) -> str:
     """The stray address nearest the end (or start) of one of `tensors`, as that tensor's element: 'x[1024]'
     (past x's elements), 'x[-3]' (before its first)."""
-    best = None
-    for addr in strays[:4096]:
-        for name, t in tensors.items():
+    best = None                           # ties go to the first tensor named (x before y), not to memory order
+    for name, t in tensors.items():
+        for addr in strays[:4096]:
             i = (int(addr) - t.data_ptr()) // t.element_size()
             gap = i - (t.numel() - 1) if i >= t.numel() else -i
             if best is None or gap < best[0]:

@@ -2,7 +2,7 @@
 import math
 import numbers
 
-from utils.exercises import ExerciseFailed, check, is_not_done
+from utils.exercises import call_answer, check
 
 
 def _number(v) -> bool:
@@ -12,15 +12,7 @@ def _number(v) -> bool:
 def _call(name: str, f, args: tuple):
     """f(*args), or a hint naming the call and what it raised (a stub's own exception goes on: NOT DONE)."""
     call = f"{name}({', '.join(repr(a) for a in args)})"
-    try:
-        got = f(*args)
-    except ExerciseFailed:
-        raise
-    except Exception as err:
-        if is_not_done(err):
-            raise
-        text = (str(err).strip().split("\n") or [""])[0][:200]
-        check(call, False, f"raised {type(err).__name__}: {text}; it takes numbers and returns a number")
+    got = call_answer(call, f, args, "these numbers", hint=lambda err: "; it takes numbers and returns a number")
     if not _number(got):
         check(call, False, f"returned {got!r}: return one finite number")
     return got

@@ -38,7 +38,7 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
     good = write_nb(tmp_path / "20_fine.ipynb",
                     "from utils import device, record\n"
                     "rec = record.start('20_fine', device.detect(DEVICE))\n"
-                    "rec.metric('fine.value', 42.0, 'GB/s')")
+                    "rec.metric('fine.value', 42.0, 'x', label='fine', size='n=1')")
     assert harness.main(["run", "--device", "cpu", str(bad), str(good)]) == 1
     status = status_of(build_dir)
     labs = status["labs"]
@@ -51,7 +51,7 @@ def test_run_keeps_going_and_reports_the_failure(tmp_path, build_dir, capsys):
     md = (build_dir / "report.md").read_text()
     assert "**FAILED**: RuntimeError: the kernel did not compile" in md
     assert "executed/10_broken.ipynb" in md
-    assert "| `fine.value` | not recorded | 42 | GB/s |" in md
+    assert "| fine | n=1 | 42 x |" in md
     assert "failed: 10_broken" in capsys.readouterr().out
 
     # Fixed, re-run alone: it is ok in the new run; the other lab is from the earlier run, not "ok".

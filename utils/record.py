@@ -1,27 +1,52 @@
-"""The recorder a lab's notebook keeps its headline figures with: results/<lab>.json and its plots.
+"""The recorder a lab's notebook keeps its headline figures with, each with how it was measured and whether it can be trusted.
 
-    rec = record.start("00_environment", device)       # clears this lab's earlier records
-    rec.metric("environment.add_gbps", 2950.0, "GB/s", peak=device.peak_bandwidth_gbps, size={"n": 1 << 28})
+    rec = record.start("01_vector_add", device)          # clears this lab's earlier records
+    t = timing.benchmark(lambda: torch.add(x, y, out=z))
+    rec.metric("torch_gbps", t.gbps(3 * n * 4), "GB/s", label="torch.add", size={"n": n},
+               peak=device.peak_bandwidth_gbps, timing=t,
+               checks=[record.not_far_below(value, best_small, 10, "the best smaller size")])
     rec.figure(fig, "achieved_vs_peak")
 
-`make run` builds the course report from these files (`utils.machinery.report`); `load_reference()`
-reads a committed GPU reference record (`utils/reference/<gpu>.json`).
+Every figure belongs to the lab that recorded it (`results/<lab>.json`), and carries its size, unit, label, the
+number of samples and their spread (interquartile range / median) and the machine's state around it
+(`utils.machine`). The recorder applies the validity tests below; a figure that fails one is recorded as
+**unreliable** with its reasons, printed as such, shown as such in the report and left out of any reference:
+
+- fewer than MIN_SAMPLES samples, or a spread above MAX_SPREAD;
+- a value that is not a finite number;
+- a check the lab states for the figure fails (`enough`: e.g. a load level that completed no request, a p99 of
+  ten requests; `not_far_below`: a throughput far below what the same run measured where it should be at least
+  as high);
+- the machine changed under it (`utils.machine.judge`: other processes took the CPU, the GPU's clock fell or it
+  slowed itself down, another process used the GPU).
+
+`make run` builds the course report from these files (`utils.machinery.report`); `load_reference()` reads a
+committed GPU reference record (`utils/reference/<gpu>.json`).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from utils import backend, machine
 from utils.base import state
 from utils.base.paths import REFERENCE_DIR, build_dir, results_dir
 from utils.stack import software_stack
 
-__all__ = ["Recorder", "start", "size_text", "load_results", "load_reference", "build_dir", "results_dir"]
-_KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
+__all__ = ["Recorder", "start", "size_text", "enough", "not_far_below", "percentile_needs", "load_results",
+           "load_reference", "build_dir", "results_dir", "MIN_SAMPLES", "MAX_SPREAD"]
+_KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
+MIN_SAMPLES = 3        # repetitions (or interleaved rounds, or requests) a figure needs at least
+MAX_SPREAD = 0.25      # IQR / median above this: the samples disagree too much for one number
+BUSY_LOAD = 1.5        # a load average above this many per core when a lab starts: the report warns
+# Units where more is better / less is better (the report's "slow" and "suspicious" follow the direction).
+HIGHER_IS_BETTER = {"GB/s", "TFLOP/s", "tokens/s", "req/s", "GFLOP/s"}
+LOWER_IS_BETTER = {"ms", "s", "µs", "us"}
 
 
 class Recorder:
@@ -33,37 +58,84 @@ class Recorder:
         self.root = Path(root) if root else results_dir()
         self.path = self.root / f"{lab}.json"
         self.figure_dir = self.root / lab
+        self._plat = backend.of(device) if device is not None else None
+        self._mark = machine.snapshot(self._plat)
         self.data = {
             "lab": lab,
             "device": asdict(device) if device is not None else None,
             "software": software_stack(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "run_id": os.environ.get("COURSE_RUN_ID"),   # set by `make run`; None in a notebook of one's own
+            "state": {"start": self._mark},
             "metrics": {},
+            "warnings": [],
             "figures": [],
         }
         self.path.unlink(missing_ok=True)
         shutil.rmtree(self.figure_dir, ignore_errors=True)
         self._save()
+        cpu = self._mark["cpu"]
+        if cpu["load1"] > BUSY_LOAD * cpu["cores"]:
+            self.warn(f"the machine was busy when this lab started (load average {cpu['load1']} on {cpu['cores']} "
+                      "cores: other programs, tests or users): its timings may be slower than this machine can do")
 
-    def metric(self, key: str, value: float, unit: str, *, peak: float | None = None,
-               label: str | None = None, size: str | dict | None = None) -> dict:
-        """Record a headline figure; `peak` (same unit) makes the report show value / peak. `size` says
-        what was measured ("N=4096, D=128" or {"N": 4096, "D": 128}): the report sets a reference figure
-        beside this one only when both were measured at the same size."""
+    def metric(self, key: str, value: float, unit: str, *, label: str, size: str | dict,
+               peak: float | None = None, timing=None, samples: int | None = None, spread: float | None = None,
+               checks: tuple | list = (), better: str | None = None, timed: bool | None = None) -> dict:
+        """Record a headline figure of this lab.
+
+        label: what it is, readable ("torch.add, float32"); size: what was measured ("N=4096" or {"N": 4096});
+        peak (same unit): the report shows value / peak. timing: the `timing.Timing` it comes from (its samples,
+        spread and machine window), or samples/spread given directly (e.g. a ratio's rounds, a load level's
+        requests). checks: reasons from `enough(...)`/`not_far_below(...)` (None where the check passed).
+        better: "higher" or "lower" when the unit does not say (the report's verdict uses it). timed: whether
+        the figure depends on speed (then the machine's state is judged); by default, when it comes with a timing,
+        samples or a spread, or its unit is a rate or a time. A computed error or a count is not timed."""
         if not _KEY.match(key):
-            raise ValueError(f"metric key {key!r} must look like 'lab_topic.figure' (lower case, dots)")
-        entry = {"value": float(value), "unit": unit}
-        if size is not None:
-            entry["size"] = size_text(size)
+            raise ValueError(f"metric key {key!r} must be lower case words joined by '_' or '.'")
+        if not label or not str(label).strip():
+            raise ValueError(f"metric {key!r} needs a readable label=")
+        entry = {"value": float(value), "unit": unit, "label": str(label), "size": size_text(size)}
         if peak:
             entry["peak"] = float(peak)
             entry["fraction_of_peak"] = float(value) / float(peak)
-        if label:
-            entry["label"] = label
+        window = None
+        if timing is not None:
+            samples, spread, window = len(timing.samples_ms), timing.spread, timing.window
+            entry["method"] = timing.clock
+        if samples is not None:
+            entry["samples"] = int(samples)
+        if spread is not None and math.isfinite(spread):
+            entry["spread"] = round(float(spread), 4)
+        now = machine.snapshot(self._plat)
+        window = window or {"before": self._mark, "after": now}    # no timing: the span since the last figure
+        self._mark = now
+        better = better or ("higher" if unit in HIGHER_IS_BETTER else "lower" if unit in LOWER_IS_BETTER else None)
+        if better:
+            entry["better"] = better
+        if timed is None:
+            timed = timing is not None or samples is not None or spread is not None or better is not None
+        if timed:
+            entry["state"] = window
+        reasons = validity(entry, checks)
+        entry["verdict"] = "unreliable" if reasons else "ok"
+        if reasons:
+            entry["reasons"] = reasons
+            print(f"UNRELIABLE: {entry['label']} ({entry['size']}): {describe(entry)}")
         self.data["metrics"][key] = entry
         self._save()
         return entry
+
+    def text(self, key: str) -> str:
+        """A recorded figure as a learner should read it: "98.3 GB/s (5% of peak)" or "unreliable: ..."."""
+        return describe(self.data["metrics"][key])
+
+    def warn(self, message: str) -> None:
+        """A warning about this lab's run that the report must carry (e.g. "this machine is busy")."""
+        if message not in self.data["warnings"]:
+            self.data["warnings"].append(message)
+            self._save()
+        print(f"WARNING: {message}")
 
     def figure(self, fig, name: str) -> Path:
         """Save a matplotlib figure for the report (the notebook still shows it inline)."""
@@ -74,6 +146,7 @@ class Recorder:
         rel = path.relative_to(self.root).as_posix()
         if rel not in self.data["figures"]:
             self.data["figures"].append(rel)
+        self.data["state"]["end"] = machine.snapshot(self._plat)
         self._save()
         return path
 
@@ -81,9 +154,57 @@ class Recorder:
         state.write_json(self.path, self.data)
 
 
+def validity(entry: dict, checks=()) -> list[str]:
+    """Why `entry` cannot be trusted as a measurement ([] if it can): the recorder's tests and the lab's."""
+    reasons = [r for r in checks if r]
+    if not math.isfinite(entry["value"]):
+        reasons.append(f"the value is {entry['value']}")
+    n = entry.get("samples")
+    if n is not None and n < MIN_SAMPLES:
+        reasons.append(f"only {n} sample{'s' if n != 1 else ''} (needs {MIN_SAMPLES})")
+    if entry.get("spread", 0) > MAX_SPREAD:
+        reasons.append(f"spread {entry['spread']:.0%} (IQR/median) above {MAX_SPREAD:.0%}")
+    window = entry.get("state") or {}
+    reasons += machine.judge(window.get("before"), window.get("after"))
+    return reasons
+
+
+def describe(entry: dict) -> str:
+    """"98.3 GB/s (5% of peak; median of 50, spread 3%)" or "unreliable (0.0655 GB/s): why"."""
+    value = f"{entry['value']:,.4g} {entry['unit']}"
+    if entry.get("verdict") == "unreliable":
+        return f"unreliable ({value}): {'; '.join(entry.get('reasons', []))}"
+    how = []
+    if "fraction_of_peak" in entry:
+        how.append(f"{entry['fraction_of_peak']:.0%} of peak")
+    if "samples" in entry:
+        how.append(f"n={entry['samples']}" + (f", spread {entry['spread']:.0%}" if "spread" in entry else ""))
+    return value + (f" ({'; '.join(how)})" if how else "")
+
+
+def enough(count: int, needed: int, what: str) -> str | None:
+    """A check: `count` of `what` is at least `needed` (None) or the reason it is not."""
+    if count >= needed:
+        return None
+    return f"{'no' if count == 0 else f'only {count}'} {what} (needs {needed})"
+
+
+def not_far_below(value: float, other: float, factor: float, what: str) -> str | None:
+    """A check: `value` is not more than `factor` times below `other`, which the same run measured where the
+    quantity should be at least as high (`what` names it). None when it is not."""
+    if not (math.isfinite(value) and math.isfinite(other)) or value * factor >= other:
+        return None
+    return f"{other / value:,.0f}x below {what} ({other:,.4g}) in the same run"
+
+
+def percentile_needs(q: float) -> int:
+    """Samples a q-th percentile needs before it means something: p50 2, p90 10, p99 100."""
+    return max(2, math.ceil(100 / (100 - q) - 1e-9))
+
+
 def size_text(size: str | dict) -> str:
     """The canonical text of a metric's size: {"N": 4096, "D": 128} -> "N=4096, D=128"."""
-    if isinstance(size, dict):
+    if isinstance(size, dict) and size:
         return ", ".join(f"{k}={v}" for k, v in size.items())
     if not isinstance(size, str) or not size.strip():
         raise ValueError(f"size={size!r} must be a non-empty string or a dict such as {{'N': 4096}}")
@@ -106,5 +227,11 @@ def load_results(root: Path | None = None) -> dict[str, dict]:
 
 
 def load_reference(name: str = "h100") -> dict | None:
-    """A committed reference record; a corrupt one raises CorruptStateError naming the file."""
+    """A committed reference record ({"device", "arch", "labs": {lab: {"metrics": ...}}}); a corrupt one raises
+    CorruptStateError naming the file."""
     return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise", shape=dict)
+
+
+def reference_metrics(reference: dict | None, lab: str) -> dict:
+    """The reference's figures of one lab ({} when it has none)."""
+    return ((reference or {}).get("labs") or {}).get(lab, {}).get("metrics", {})

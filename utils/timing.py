@@ -5,10 +5,10 @@ median, min, IQR and all samples. On a GPU each rep is bracketed by torch's CUDA
 same mechanism as `triton.testing.do_bench`); with `flush_l2=True` a large buffer is overwritten
 before each rep so that data left in the cache by the previous rep does not flatter the result.
 
-Warm up long enough. A GPU lowers its clock under sustained load: on the course's H100 a bf16 matmul
-ran at 1980 MHz for its first ~100 ms and at about 1500 MHz after half a second (1.40 ms -> 1.58 ms
-for 8192^3). `warmup_ms` keeps calling `fn` until that much time has passed, so the figures are the
-sustained ones, not a boost-clock burst.
+Warm up long enough. A GPU changes its clock under load (a boost clock at first, lower once it reaches its
+power limit): `warmup_ms` keeps calling `fn` until that much time has passed, so the figures are the sustained
+ones, not a burst. Each Timing keeps the machine's state before and after its repetitions (`utils.machine`), so
+a recorder can tell a steady measurement from one the clock or other programs moved (lab 00, section 10).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from utils import backend
+from utils import backend, machine
 
 # Bytes overwritten before each rep to flush caches: larger than an H100's 50 MB L2 and an
 # MI300X's 256 MB Infinity Cache (PyTorch reports only the 4 MB L2 there, so it is not derived).
@@ -39,6 +39,8 @@ def tflops(flops: float, seconds: float) -> float:
 class Timing:
     samples_ms: tuple[float, ...]
     clock: str  # "device events" or "perf_counter"
+    # the machine before the warm-up and after the timed repetitions (utils.machine.snapshot): {"before", "after"}
+    window: dict | None = None
 
     @property
     def median_ms(self) -> float:
@@ -54,6 +56,11 @@ class Timing:
             return 0.0
         q1, _, q3 = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
         return q3 - q1
+
+    @property
+    def spread(self) -> float:
+        """The interquartile range over the median: 0.05 means the middle half of the samples lie within 5%."""
+        return self.iqr_ms / self.median_ms if self.median_ms > 0 else float("inf")
 
     @property
     def median_s(self) -> float:
@@ -107,6 +114,9 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     if flush_l2:
         flush = torch.empty(GPU_FLUSH_BYTES if gpu else CPU_FLUSH_BYTES, dtype=torch.int8,
                             device=plat.torch_device)
+    # the window the machine is judged over starts before the warm-up: it runs the same work under the same
+    # conditions, and a window of a few milliseconds is too short to count other programs' CPU time
+    before = machine.snapshot(plat)
     _warm_up(fn, warmup, warmup_ms, plat)
     samples: list[float] = []
     if gpu:
@@ -121,14 +131,15 @@ def benchmark(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
             end.record()
         plat.synchronize()
         samples = [s.elapsed_time(e) / batch for s, e in zip(starts, ends)]
-        return Timing(tuple(samples), "device events" + (f", graph of {batch} calls" if graph else ""))
+        return Timing(tuple(samples), "device events" + (f", graph of {batch} calls" if graph else ""),
+                      {"before": before, "after": machine.snapshot(plat)})
     for _ in range(reps):
         if flush is not None:
             flush.zero_()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3 / batch)
-    return Timing(tuple(samples), "perf_counter")
+    return Timing(tuple(samples), "perf_counter", {"before": before, "after": machine.snapshot(plat)})
 
 
 def _capture_graph(fn, calls: int, plat: backend.Backend):
@@ -158,30 +169,56 @@ def _warm_up(fn, calls: int, min_ms: float, plat: backend.Backend) -> None:
     plat.synchronize()
 
 
+class Rounds(dict):
+    """`interleaved`'s result: {name: median ms} like a dict, and per name every round's Timing
+    (`.timing(name)`: all their samples and the window of the whole run; `.ratio(a, b)`: per-round ratios)."""
+
+    def __init__(self, medians: dict[str, float], rounds: dict[str, list[Timing]], window: dict):
+        super().__init__(medians)
+        self.rounds = rounds
+        self.window = window
+
+    def timing(self, name: str) -> Timing:
+        """Every sample of `name` over all rounds, as one Timing (its spread includes drift between rounds)."""
+        parts = self.rounds[name]
+        return Timing(tuple(s for t in parts for s in t.samples_ms), parts[0].clock + f", {len(parts)} rounds",
+                      self.window)
+
+    def ratio(self, a: str, b: str) -> tuple[float, float, int]:
+        """(median of the per-round ratios a/b of median times, their IQR over that median, rounds)."""
+        ratios = [ta.median_ms / tb.median_ms for ta, tb in zip(self.rounds[a], self.rounds[b])]
+        t = Timing(tuple(ratios), "ratio")
+        return t.median_ms, t.spread, len(ratios)
+
+
 def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 3, rep_ms: float = 200.0,
-                warmup_ms: float = 500.0, flush_l2: bool = True) -> dict[str, float]:
+                warmup_ms: float = 500.0, flush_l2: bool = True) -> Rounds:
     """Median time in ms of each function in `fns`, measured in alternating rounds after a common
     warm-up, so that clock changes under load (a GPU slows down as it heats) hit all of them alike.
-    A value may also be the string "do_bench:" + key, which times `fns[key]` with Triton's do_bench."""
+    A value may also be the string "do_bench:" + key, which times `fns[key]` with Triton's do_bench.
+    The result is a dict of medians that also keeps every round (`Rounds`)."""
     plat = _platform(None)
     first = next(f for f in fns.values() if callable(f))
+    before = machine.snapshot(plat)
     _warm_up(first, 1, warmup_ms, plat)
     reps = {}
     for name, fn in fns.items():
         if callable(fn):
             estimate = benchmark(fn, warmup=1, reps=3, flush_l2=flush_l2).median_ms
             reps[name] = max(5, int(rep_ms / max(estimate, 1e-3)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, list[Timing]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             if callable(fn):
-                samples[name].append(benchmark(fn, warmup=1, reps=reps[name], flush_l2=flush_l2).median_ms)
+                samples[name].append(benchmark(fn, warmup=1, reps=reps[name], flush_l2=flush_l2))
             else:
-                from triton.testing import do_bench
+                from triton.testing import do_bench   # optional: Triton's own timer, only when asked for
 
-                samples[name].append(do_bench(fns[fn.removeprefix("do_bench:")], warmup=25, rep=rep_ms,
-                                              return_mode="median"))
-    return {name: statistics.median(values) for name, values in samples.items()}
+                ms = do_bench(fns[fn.removeprefix("do_bench:")], warmup=25, rep=rep_ms, return_mode="median")
+                samples[name].append(Timing((ms,), "triton do_bench"))
+    window = {"before": before, "after": machine.snapshot(plat)}
+    return Rounds({name: statistics.median(t.median_ms for t in values) for name, values in samples.items()},
+                  samples, window)
 
 
 def compare_with_do_bench(fn: Callable[[], object], *, rounds: int = 3, rep_ms: float = 200.0,

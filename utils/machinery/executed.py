@@ -43,7 +43,7 @@ def source_hash(nb) -> str:
     return h.hexdigest()
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
                               timeout=10).stdout.strip()
@@ -88,8 +88,8 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
     nb.metadata[KEY] = {
         "solution": f"solutions/{solution.name}",
         "solution_sha256": source_hash(nbformat.read(solution, as_version=4)),
-        "commit": _git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(_git("status", "--porcelain", "--", "solutions", "utils")),
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(git("status", "--porcelain", "--", "solutions", "utils")),
         "device": device or (results.get("device") or {}).get("name"),
         "software": results.get("software") or software_stack(),
         "run_id": results.get("run_id"),

@@ -1,15 +1,18 @@
-"""The course report: every lab's recorded figures (`utils.record`) and the run's status, beside the
-GPU reference's figures of the same size, as build/report.md and build/report.html.
+"""The course report: every lab's figures beside the GPU reference's, with a verdict each, as build/report.md and .html.
 
-`make run` calls `build_report()`, which reads every sidecar under `build/results/` and the harness's
-`status.json`: each lab's figures, which device and run they come from, and the H100 reference's figure
-of the same size beside them (`utils/reference/h100.json`; a reference figure at another size, or with no
-size recorded, is listed apart, never in the same row), and the published peaks.
-`python -m utils.machinery.report reference OUT.json` turns the sidecars of a real run into such a reference.
+`make run` calls `build_report()`, which reads every sidecar under `build/results/` (`utils.record`) and the
+harness's `status.json`: each lab's status, seconds and peak memory; its warnings; each figure with its size,
+spread and the machine's state, beside the same lab's figure in the H100 reference (`utils/reference/h100.json`)
+at the same size, or in a size-independent form (fraction of peak) with both sizes shown; and a one-word verdict
+(as expected / slow / suspicious / unreliable, with the reason).
+`python -m utils.machinery.report reference OUT.json [--merge]` turns the sidecars of a real run into a reference
+record: each lab's reliable figures under that lab; `--merge` replaces only the labs this run executed.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from pathlib import Path
 
 import markdown
@@ -17,8 +20,9 @@ import markdown
 from utils.base import state
 from utils.base.paths import build_dir
 from utils.device import spec
-from utils.machinery.executed import describe
-from utils.record import load_reference, load_results
+from utils.machine import summary
+from utils.machinery.executed import describe, git
+from utils.record import load_reference, load_results, reference_metrics
 
 # GPUs whose published peaks every report shows next to the learner's own device.
 PUBLISHED = ("mi300x", "h100_sxm")
@@ -26,8 +30,8 @@ PUBLISHED = ("mi300x", "h100_sxm")
 PUBLISHED_MEASURED = {
     "matmul.torch_tflops_8192": (708.0, "TFLOP/s", "AMD's measured max BF16 GEMM on MI300X"),
 }
-# What a reference record keeps of a metric besides value and unit (for like-with-like comparisons).
-REFERENCE_KEYS = ("size", "label", "peak", "fraction_of_peak")
+
+
 def load_status(build: Path | None = None) -> dict:
     """The harness's status.json ({"run": ..., "labs": ...}); missing, corrupt (with a warning) or of an
     old format -> no labs."""
@@ -67,43 +71,34 @@ def finished_results(results: dict[str, dict], status: dict) -> tuple[dict[str, 
     return kept, left
 
 
-def make_reference(results: dict[str, dict]) -> dict:
-    """A reference record (`utils/reference/<gpu>.json`) from the sidecars of one real run."""
-    runs = [r for r in results.values() if r.get("metrics")]
+def make_reference(results: dict[str, dict], commit: str | None = None) -> dict:
+    """A reference record (`utils/reference/<gpu>.json`) from the sidecars of one real run: each lab's figures
+    under that lab, with their size, spread and machine state; unreliable figures are left out (listed)."""
+    runs = {lab: r for lab, r in results.items() if r.get("metrics")}
     if not runs:
         raise ValueError("no recorded metrics: run the solutions first (make run)")
-    devices = {r["device"]["name"] for r in runs if r.get("device")}
+    devices = {r["device"]["name"] for r in runs.values() if r.get("device")}
     if len(devices) != 1:
         raise ValueError(f"the results come from several devices or none: {sorted(devices)}")
-    first = runs[0]
-    metrics = {}
-    for r in runs:
-        for key, m in r["metrics"].items():
-            metrics[key] = {"value": m["value"], "unit": m["unit"],
-                            **{k: m[k] for k in REFERENCE_KEYS if k in m}}
-    return {
-        "device": first["device"]["name"],
-        "arch": first["device"]["arch"],
-        "date": max(r["date"] for r in runs)[:10],
-        "software": first["software"],
-        "labs": sorted(r["lab"] for r in runs),
-        "metrics": dict(sorted(metrics.items())),
-    }
+    first = next(iter(runs.values()))
+    labs = {}
+    for lab, r in sorted(runs.items()):
+        kept = {k: m for k, m in r["metrics"].items() if m.get("verdict") != "unreliable"}
+        left = {k: "; ".join(m.get("reasons", [])) for k, m in r["metrics"].items() if k not in kept}
+        labs[lab] = {"date": r["date"][:10], "run_id": r.get("run_id"), "commit": commit,
+                     "software": r["software"], "state": r.get("state", {}), "metrics": kept,
+                     **({"unreliable": left} if left else {})}
+    return {"format": 2, "device": first["device"]["name"], "arch": first["device"]["arch"], "labs": labs}
 
 
 def merge_reference(old: dict, new: dict) -> dict:
-    """A reference whose figures of the labs ``new`` ran are replaced by ``new``'s (a later run of
-    some labs on the same GPU); ``runs`` says which labs each run covered, when, with what software."""
+    """``old`` with the labs ``new`` ran replaced by ``new``'s (a later run of some labs on the same GPU); every
+    other lab's figures are kept as they were."""
     if old["device"] != new["device"]:
         raise ValueError(f"cannot merge a {new['device']} run into a {old['device']} reference")
-    topics = {key.split(".", 1)[0] for key in new["metrics"]}
-    metrics = {k: v for k, v in old["metrics"].items() if k.split(".", 1)[0] not in topics}
-    metrics.update(new["metrics"])
-    runs = old.get("runs") or [{"labs": old["labs"], "date": old["date"], "software": old["software"]}]
-    runs = [dict(r, labs=[lab for lab in r["labs"] if lab not in new["labs"]]) for r in runs]
-    runs = [r for r in runs if r["labs"]] + [{"labs": new["labs"], "date": new["date"], "software": new["software"]}]
-    return {**old, "date": max(r["date"] for r in runs), "labs": sorted({*old["labs"], *new["labs"]}),
-            "runs": runs, "metrics": dict(sorted(metrics.items()))}
+    if old.get("format") != 2:
+        raise ValueError("the old reference is not in the per-lab format (format 2): regenerate it")
+    return {**old, "labs": dict(sorted({**old["labs"], **new["labs"]}.items()))}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -113,41 +108,91 @@ def _fmt(v: float | None, digits: int = 4) -> str:
 
 
 def comparable(mine: dict | None, ref: dict | None) -> bool:
-    """A reference figure may stand beside the learner's only when both were measured at a recorded,
-    equal size, in the same unit."""
+    """A reference figure may stand beside the learner's as a plain number only when both were measured at
+    a recorded, equal size, in the same unit."""
     return bool(mine and ref and mine.get("size") and mine.get("size") == ref.get("size")
                 and mine.get("unit") == ref.get("unit"))
-
-
-def _name(key: str, m: dict) -> str:
-    return f"{m['label']} (`{key}`)" if m.get("label") else f"`{key}`"
 
 
 def _frac(m: dict) -> str:
     return f"{m['fraction_of_peak']:.0%}" if "fraction_of_peak" in m else "–"
 
 
-def _reference_run(reference: dict, lab: str) -> dict:
-    """The run of a (merged) reference record that measured `lab`: its date and software."""
-    for run in reference.get("runs") or []:
-        if lab in run.get("labs", []):
-            return run
-    return {"date": reference.get("date"), "software": reference.get("software", {})}
+def _value(m: dict) -> str:
+    peak = f" ({_frac(m)} of peak)" if "fraction_of_peak" in m else ""
+    return f"{_fmt(m['value'])} {m['unit']}{peak}"
+
+
+def _theirs(mine: dict, ref: dict | None) -> str:
+    """The reference's figure beside the learner's: at the same size, or in a size-independent form."""
+    if ref is None:
+        return "–"
+    if comparable(mine, ref):
+        return _value(ref)
+    if "fraction_of_peak" in ref:
+        return f"{_frac(ref)} of peak at {ref.get('size', 'a size not recorded')} ({_fmt(ref['value'])} {ref['unit']})"
+    return f"{_fmt(ref['value'])} {ref['unit']} at {ref.get('size', 'a size not recorded')} (not comparable)"
+
+
+def verdict(mine: dict, ref: dict | None, device: dict | None, ref_device: str | None) -> str:
+    """One word for a learner's figure, with its reason: as expected / slow / suspicious / unreliable."""
+    if mine.get("verdict") == "unreliable":
+        return "**unreliable**: " + "; ".join(mine.get("reasons", ["no reason recorded"]))
+    if mine.get("fraction_of_peak", 0) > 1.05:
+        return "**suspicious**: above the published peak (a wrong size, or a measurement that missed the work)"
+    if (device or {}).get("backend") == "cpu":
+        return ("as expected for a CPU (small sizes, on CPU kernels or Triton's interpreter: set beside the GPU by "
+                "fraction of peak, not by value)")
+    if ref is None:
+        return "no reference figure to judge by"
+    better = mine.get("better")
+    if comparable(mine, ref) and (device or {}).get("name") == ref_device:
+        ratio, against = mine["value"] / ref["value"] if ref["value"] else math.inf, "the reference"
+        low, high = 0.8, 1.25
+    elif "fraction_of_peak" in mine and ref.get("fraction_of_peak"):
+        ratio, against = mine["fraction_of_peak"] / ref["fraction_of_peak"], "the reference's fraction of peak"
+        low, high = 0.5, 2.0
+    else:
+        return "no reference at this size or device to judge by"
+    if better == "lower":
+        ratio = 1 / ratio if ratio else math.inf
+    if better is None:
+        return "as expected" if low <= ratio <= high else f"differs: {ratio:.2f}x {against}"
+    if ratio < low:
+        return f"**slow**: {ratio:.2f}x {against}"
+    if ratio > high:
+        return f"**suspicious**: {ratio:.2f}x {against} (check the size, the clocks and what else ran)"
+    return f"as expected ({ratio:.2f}x {against})"
+
+
+def _device_line(device: dict) -> str:
+    if device.get("backend") == "cpu":
+        return f"{device['name']} (CPU: Triton's interpreter, small sizes)"
+    return (f"{device['name']} ({device['backend']}, {device['arch']}"
+            f"{', warp size ' + str(device['warp_size']) if device.get('warp_size') else ''})")
 
 
 def _provenance(r: dict, reference: dict | None, lab: str) -> str:
-    """Which device and run each column of a lab's table comes from."""
-    dev = r.get("device") or {}
+    """Which run each column of a lab's table comes from, and the machine's state."""
     sw = r.get("software") or {}
-    mine = (f"**Yours:** {dev.get('name', 'unknown device')} ({dev.get('backend', '?')}), "
-            f"run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}"
-            + (f", torch {sw['torch']}" if sw.get("torch") else ""))
-    if not reference:
-        return mine + "."
-    run = _reference_run(reference, lab)
-    rsw = run.get("software") or {}
-    return (mine + f". **Reference:** {reference['device']}, run of {run.get('date', '?')}"
-            + (f", torch {rsw['torch']}" if rsw.get("torch") else "") + " (`utils/reference/`).")
+    st = r.get("state") or {}
+    mine = (f"**Yours:** run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}"
+            + (f", torch {sw['torch']}" if sw.get("torch") else "")
+            + f". Machine at the start: {summary(st.get('start'))}"
+            + (f"; at the end: {summary(st['end'])}" if st.get("end") else "") + ".")
+    ref = ((reference or {}).get("labs") or {}).get(lab)
+    if not ref:
+        return mine
+    rsw = ref.get("software") or {}
+    return (mine + f" **Reference:** {reference['device']}, run of {ref.get('date', '?')}"
+            + (f", commit {str(ref['commit'])[:10]}" if ref.get("commit") else "")
+            + (f", torch {rsw['torch']}" if rsw.get("torch") else "")
+            + (f"; machine: {summary(ref['state'].get('start'))}" if (ref.get("state") or {}).get("start") else "")
+            + (f" ({ref['note']})" if ref.get("note") else "") + ".")
+
+
+def _peak_memory(st: dict | None) -> str:
+    return f"{st['peak_memory_mb']:,.0f} MB" if st and st.get("peak_memory_mb") else "–"
 
 
 def render_markdown(results: dict[str, dict], status: dict, reference: dict | None) -> str:
@@ -160,33 +205,37 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
         peaks = ", ".join(f"{label} {_fmt(device[k])}" for k, label in
                           (("peak_bandwidth_gbps", "GB/s"), ("peak_bf16_tflops", "BF16 TFLOP/s"))
                           if device.get(k))
-        out.append(f"**Device:** {device['name']} ({device['backend']}, {device['arch']}"
-                   f"{', warp size ' + str(device['warp_size']) if device.get('warp_size') else ''})"
-                   f"{' · published peaks: ' + peaks if peaks else ''}")
+        out.append(f"**Device:** {_device_line(device)}{' · published peaks: ' + peaks if peaks else ''}")
         sw = next(r["software"] for r in results.values() if r.get("software"))
         out += ["", "**Software:** " + ", ".join(f"{k} {v}" for k, v in sw.items())]
     if reference:
-        out += ["", f"**Reference:** {reference['device']} ({reference['arch']}), "
-                    f"run of {reference['date']} (`utils/reference/`)"]
+        out += ["", f"**Reference:** {reference['device']} ({reference['arch']}), `utils/reference/`: each lab's "
+                    "figures from its own run (dates below)"]
     if run:
         out += ["", f"**Run:** `{run.get('id')}`, started {run.get('started')}, "
                     + {"finished": "finished", "interrupted": f"**interrupted** ({run.get('signal', '')})",
                        "running": "**still running or killed**"}.get(run.get("state"), str(run.get("state")))]
-    out += ["", "## Labs", "", "| lab | status | seconds | executed notebook |", "|---|---|---|---|"]
+    unreliable = [(lab, k) for lab, r in results.items() for k, m in r.get("metrics", {}).items()
+                  if m.get("verdict") == "unreliable"]
+    total = sum(len(r.get("metrics", {})) for r in results.values())
+    out += ["", f"**Figures:** {total} recorded, {len(unreliable)} unreliable (each with its reason below; an "
+                "unreliable figure is never a measurement of the kernel alone)."]
+    out += ["", "## Labs", "", "| lab | status | seconds | peak memory | executed notebook |", "|---|---|---|---|---|"]
     for lab in labs:
         st = status.get(lab)
         text = lab_state(st, run) if st else "no status: figures recorded outside `make run`"
-        out.append(f"| {lab} | {text} | {st.get('seconds', '–') if st else '–'} | "
+        out.append(f"| {lab} | {text} | {st.get('seconds', '–') if st else '–'} | {_peak_memory(st)} | "
                    f"{st.get('executed', '–') if st else '–'} |")
-    ref_metrics = (reference or {}).get("metrics", {})
     ref_name = reference["device"] if reference else "reference"
-    shown = set()
     for lab in labs:
         r = results.get(lab)
+        ref_metrics = reference_metrics(reference, lab)
         out += ["", f"## {lab}", ""]
         if status.get(lab, {}).get("status") in ("failed", "interrupted"):
             out += [f"This lab {status[lab]['status']}: {status[lab].get('error', '')}. "
                     f"Open `{status[lab].get('executed', '')}` to see the last cell it ran.", ""]
+        for warning in (r or {}).get("warnings", []):
+            out += [f"> **Warning:** {warning}", ""]
         if not r or not r.get("metrics"):
             out.append("No figures recorded.")
             continue
@@ -194,36 +243,22 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
             out += [f"*These figures are from run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}, "
                     "not from the latest run.*", ""]
         out += [_provenance(r, reference, lab), ""]
-        prefixes = {key.split(".", 1)[0] for key in r["metrics"]}
-        # the reference's figures of this lab (same key prefix) that are not at the learner's size
-        elsewhere = {key: ref for key, ref in ref_metrics.items()
-                     if key.split(".", 1)[0] in prefixes and not comparable(r["metrics"].get(key), ref)}
-        out += [f"| figure | size | yours | unit | of peak | {ref_name}, same size |", "|---|---|---|---|---|---|"]
+        out += [f"| figure | size | yours | {ref_name} | verdict |", "|---|---|---|---|---|"]
         for key, m in r["metrics"].items():
-            ref = ref_metrics.get(key)
-            if ref is None:
-                theirs = "–"
-            elif key in elsewhere:
-                theirs = "other size, below" if ref.get("size") and m.get("size") else "size not recorded, below"
-            else:
-                theirs = _fmt(ref["value"]) + (f" ({_frac(ref)})" if "fraction_of_peak" in ref else "")
-            out.append(f"| {_name(key, m)} | {m.get('size', 'not recorded')} | {_fmt(m['value'])} | "
-                       f"{m['unit']} | {_frac(m)} | {theirs} |")
-        if elsewhere:
-            out += ["", f"{ref_name}'s figures of this lab at its own sizes (or sizes not recorded): "
-                        "not comparable with yours row by row.", "",
-                    "| figure | size | value | unit | of peak |", "|---|---|---|---|---|"]
-            out += [f"| {_name(key, ref)} | {ref.get('size', 'not recorded')} | {_fmt(ref['value'])} | "
-                    f"{ref['unit']} | {_frac(ref)} |" for key, ref in elsewhere.items()]
-        shown |= prefixes
+            yours = (f"unreliable ({_fmt(m['value'])} {m['unit']})" if m.get("verdict") == "unreliable"
+                     else _value(m))
+            if m.get("samples"):
+                yours += f"; n={m['samples']}" + (f", spread {m['spread']:.0%}" if "spread" in m else "")
+            out.append(f"| {m.get('label', key)} | {m.get('size', 'not recorded')} | {yours} | "
+                       f"{_theirs(m, ref_metrics.get(key))} | "
+                       f"{verdict(m, ref_metrics.get(key), device, (reference or {}).get('device'))} |")
+        rest = {k: m for k, m in ref_metrics.items() if k not in r["metrics"]}
+        if rest:
+            out += ["", f"{ref_name}'s other figures of this lab (no counterpart in your run):", "",
+                    "| figure | size | value |", "|---|---|---|"]
+            out += [f"| {m.get('label', k)} | {m.get('size', 'not recorded')} | {_value(m)} |" for k, m in rest.items()]
         for fig in r.get("figures", []):
             out += ["", f"![{lab}: {Path(fig).stem}](results/{fig})"]
-    rest = {k: v for k, v in ref_metrics.items() if k.split(".", 1)[0] not in shown}
-    if rest:
-        out += ["", f"## {ref_name} figures with no counterpart in this run", "",
-                "| figure | size | value | unit |", "|---|---|---|---|"]
-        out += [f"| `{key}` | {m.get('size', 'not recorded')} | {_fmt(m['value'])} | {m['unit']} |"
-                for key, m in rest.items()]
     out += ["", "## Published peaks (dense)", "",
             "| GPU | BF16 TFLOP/s | FP32 TFLOP/s | memory bandwidth GB/s | memory GB |",
             "|---|---|---|---|---|"]
@@ -271,11 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         results, left = finished_results(load_results(), load_status())
         for lab, why in left.items():
             print(f"{lab}: left out of the reference ({why})")
-        data = make_reference(results)
+        data = make_reference(results, commit=os.environ.get("COURSE_COMMIT") or git("rev-parse", "HEAD"))
+        for lab, entry in data["labs"].items():
+            for key, why in entry.get("unreliable", {}).items():
+                print(f"{lab}: {key} left out of the reference (unreliable: {why})")
         if args.merge and args.out.exists():
             data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise', shape=dict), data)
         state.write_json(args.out, data)
-        print(f"{args.out}: {len(data['metrics'])} metrics from {data['device']}")
+        print(f"{args.out}: {sum(len(e['metrics']) for e in data['labs'].values())} figures of "
+              f"{len(data['labs'])} labs from {data['device']}")
     return 0
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -86,6 +87,56 @@ def plan_parameters(notebooks: list[Path], given: dict) -> tuple[dict[Path, dict
             log.append(f"{name} applies to {', '.join(nb.stem for nb in takers)} only (the other notebooks do not "
                        "declare it)")
     return plan, log
+
+
+# --- peak memory ---------------------------------------------------------------------------------
+
+class PeakMemory:
+    """The peak memory of this process's children while the block runs: the kernel and every process it
+    started (lab 05's model server and its workers), not the harness. Sampled every `every` seconds in a thread
+    as the sum of each process's PSS (its private pages plus its share of pages shared with others, so torch's
+    libraries mapped by both the kernel and the server count once; RSS where PSS cannot be read). Reading PSS
+    walks the page tables (about 12 ms for a 450 MB process on the course's CPU machine), so the wait between
+    samples grows to ten times the last read: the sampling takes at most a tenth of one core from the lab.
+    `peak_mb`: the largest sum seen, in MB (10^6 bytes); a peak shorter than the wait can be missed."""
+
+    def __init__(self, every: float = 0.2):
+        self.every, self.peak_bytes = every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="peak-memory")
+
+    @staticmethod
+    def tree_bytes() -> int:
+        total = 0
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                try:
+                    total += proc.memory_full_info().pss
+                except (psutil.AccessDenied, AttributeError):   # another user's process; no PSS (macOS)
+                    total += proc.memory_info().rss
+            except psutil.Error:     # ended between listing and reading
+                continue
+        return total
+
+    def _watch(self) -> None:
+        while True:
+            start = time.perf_counter()
+            self.peak_bytes = max(self.peak_bytes, self.tree_bytes())
+            if self._stop.wait(max(self.every, 10 * (time.perf_counter() - start))):
+                return
+
+    @property
+    def peak_mb(self) -> float:
+        return round(self.peak_bytes / 1e6, 1)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return False
 
 
 # --- executing the course -----------------------------------------------------------------------
@@ -186,8 +237,9 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
             status["labs"][nb.stem] = entry
             state.write_json(status_path(), status)
             start = time.perf_counter()
+            memory = PeakMemory()
             try:
-                with narrator.lab(nb, usual.get(nb.stem)):
+                with narrator.lab(nb, usual.get(nb.stem)), memory:
                     pm.execute_notebook(str(nb), str(out), parameters=plan[nb], cwd=str(nb.parent),
                                         kernel_name="python3", progress_bar=False, log_output=False,
                                         execution_timeout=cell_timeout, on_cell_start=narrator.cell_started,
@@ -208,6 +260,7 @@ def _run_locked(notebooks: list[Path], plan: dict, device: str, cell_timeout: fl
                 bar.write(f"FAILED {nb.name}: {entry['error']} (see {entry['executed']})")
             finally:
                 entry["seconds"] = round(time.perf_counter() - start, 1)
+                entry["peak_memory_mb"] = memory.peak_mb
                 state.write_json(status_path(), status)
         status["run"]["state"] = "finished"
     except KeyboardInterrupt as stop:

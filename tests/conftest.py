@@ -37,8 +37,44 @@ def xdist_scope_of(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[0]
 
 
+# `make test-gpu` runs the gpu-marked tests in parts, each one pytest command that finishes within 8 minutes on an
+# H100 (the GPU machine's limit is 10 minutes a command; README, "GPU tests", has each part's count and time):
+# `--gpu-part NAME` keeps the tests of that part's files. The Makefile's GPU_PARTS lists the names in the order
+# `make test-gpu` runs them. Every file with gpu tests belongs to one part: with --gpu-part, collection stops
+# with a usage error naming a file that is in none.
+GPU_PARTS = {
+    "kernels": ("test_lab01.py", "test_occupancy.py"),      # lab 01's hand-written kernels (memcheck too), Triton's
+    "warps": ("test_lab02.py",),                            # lab 02's hand-written kernels (memcheck too)
+    "matmul": ("test_lab03.py", "test_timing.py"),
+    "attention": ("test_lab04.py",),
+    "models": ("test_decode.py", "test_lab06.py", "test_lab07.py"),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-part", choices=sorted(GPU_PARTS), default=None,
+                     help="only the tests of this part's files (tests/conftest.py's GPU_PARTS); `make test-gpu PART=...`")
+
+
+def gpu_part(config, items):
+    """With --gpu-part NAME: keep the tests of NAME's files (the others deselected); refuse gpu tests in no part."""
+    part = config.getoption("--gpu-part")
+    if part is None:
+        return
+    placed = {name for files in GPU_PARTS.values() for name in files}
+    stray = sorted({Path(item.path).name for item in items if item.get_closest_marker("gpu")} - placed)
+    if stray:
+        raise pytest.UsageError(f"gpu tests in {', '.join(stray)} belong to no part: add the file to one of "
+                                "GPU_PARTS in tests/conftest.py")
+    keep = [item for item in items if Path(item.path).name in GPU_PARTS[part]]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if Path(item.path).name not in GPU_PARTS[part]])
+        items[:] = keep
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    gpu_part(config, items)
     order = {scope: i for i, scope in enumerate(sorted(LONGEST_FIRST, key=LONGEST_FIRST.get, reverse=True))}
     items.sort(key=lambda item: order.get(xdist_scope_of(item.nodeid), len(order)))   # stable: cells keep their order
 

@@ -5,10 +5,14 @@ On the CPU the Triton kernels run under the interpreter (a private copy of the l
 `@triton.jit` picks the interpreter when a kernel is defined) on a seeded covering grid: sizes 1, 17, 97 and
 4099, every layout once, every accepted dtype once, and every unsupported input. The graders are
 utils/graders/lab01.py, called with the loaded module's functions. The full grids, and the hand-written CUDA/HIP
-kernels built with load_inline, are `gpu` tests (`make test-gpu`)."""
+kernels built with load_inline (also under compute-sanitizer's memcheck, bad calls included), are `gpu` tests
+(`make test-gpu`)."""
+import glob
 import hashlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -391,18 +395,95 @@ def test_gpu_hand_kernels_full_grid(compiled, hand, kernel, n, capsys):
     assert capsys.readouterr().out.count("PASS") == 1 + len(graders.layouts())
 
 
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("kernel", ["add_naive", "add_vec4"])
-@pytest.mark.parametrize("args, error, words", [
+# What the hand kernels refuse, with the words of the Python check (check_add_args) or of the C++ one (`.ext`).
+BAD_HAND_CALLS = [
     (lambda: [torch.ones(4, device="cuda", dtype=torch.float16)] * 3, TypeError, "float32"),
-    (lambda: [torch.ones(4), torch.ones(4, device="cuda"), torch.ones(4, device="cuda")], ValueError, "one GPU"),
+    (lambda: [torch.ones(4), torch.ones(4, device="cuda"), torch.ones(4, device="cuda")], ValueError,
+     "one device|one GPU"),
+    (lambda: [torch.ones(4)] * 3, ValueError, "runs on a GPU|one GPU"),
     (lambda: [torch.ones(3, 4, device="cuda"), torch.ones(4, device="cuda"), torch.ones(3, 4, device="cuda")],
      ValueError, "one shape"),
     (lambda: [torch.ones(3, 4, device="cuda"), torch.ones(3, 4, device="cuda"),
               torch.ones(1, 4, device="cuda").expand(3, 4)], ValueError, "share memory"),
-    (lambda: (lambda a: [a[1:], a[1:], a[:-1]])(torch.ones(9, device="cuda")), ValueError, "overlaps an input"),
-])
+    (lambda: (lambda a: [a[1:], a[1:], a[:-1]])(torch.ones(9, device="cuda")), ValueError, "overlaps"),
+    (lambda: [[1.0], torch.ones(1, device="cuda"), torch.ones(1, device="cuda")], TypeError,
+     "torch.Tensor|incompatible function arguments"),
+]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("kernel", ["add_naive", "add_vec4", "ext.add_naive", "ext.add_vec4"])
+@pytest.mark.parametrize("args, error, words", BAD_HAND_CALLS)
 def test_gpu_hand_kernels_say_what_they_support(hand, kernel, args, error, words):
+    """The Python functions build_hand_kernels returns, and the compiled module's own (`.ext`, checked in C++)."""
+    fn = hand.ext if kernel.startswith("ext.") else hand
     with pytest.raises(error, match=words):
-        getattr(hand, kernel)(*args())
+        getattr(fn, kernel.removeprefix("ext."))(*args())
+    torch.cuda.synchronize()                   # nothing was launched that could fail later
+
+
+def compute_sanitizer():
+    """compute-sanitizer (CUDA toolkit), or None."""
+    found = shutil.which("compute-sanitizer") or sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+def run_under_memcheck(script, tmp_path):
+    """`script` in a new Python under compute-sanitizer's memcheck, with PyTorch's caching allocator off (each
+    tensor its own allocation, so an access past one is seen); its output, once memcheck found 0 errors."""
+    tool = compute_sanitizer()
+    if torch.version.hip or tool is None:
+        pytest.skip("needs NVIDIA's compute-sanitizer (CUDA toolkit); ROCm's sanitizers are not wired in here")
+    (tmp_path / "kernels.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--target-processes",
+                          "application-only", sys.executable, str(tmp_path / "kernels.py")],
+                         capture_output=True, text=True, env=env, timeout=480)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in out and "refused" in out, out[-6000:]
+    return out
+
+
+MEMCHECKED = r"""
+import torch
+from utils import solutions
+from utils.graders import lab01 as graders
+
+hand = solutions.load("01").build_hand_kernels()          # built already by the test (the same cache)
+cuda = dict(device="cuda")
+bad = [lambda: [torch.ones(4, dtype=torch.float16, **cuda)] * 3,
+       lambda: [torch.ones(4), torch.ones(4, **cuda), torch.ones(4, **cuda)],
+       lambda: [torch.ones(3, 4, **cuda), torch.ones(4, **cuda), torch.ones(3, 4, **cuda)],
+       lambda: [torch.ones(4, **cuda), torch.ones(3, 4, **cuda), torch.ones(4, **cuda)],
+       lambda: [torch.ones(3, 4, **cuda), torch.ones(3, 4, **cuda), torch.ones(1, 4, **cuda).expand(3, 4)],
+       lambda: (lambda a: [a[1:], a[1:], a[:-1]])(torch.ones(9, **cuda)),
+       lambda: (lambda a: [a[:-1], a[:-1], a[1:]])(torch.ones(9, **cuda))]
+refused = 0
+for name in ("add_naive", "add_vec4"):
+    for fn in (getattr(hand, name), getattr(hand.ext, name)):
+        graders.check_add(name, fn, block=256, sizes=(1, 3, 17, 1027, 4099), device="cuda")
+        graders.check_layouts(name, fn, device="cuda", n=33)
+        for n, start in ((1027, 0), (1027, 1), (8, 3)):          # in place; starts off 16-byte alignment
+            a, b = torch.randn(n + start, **cuda)[start:], torch.randn(n + start, **cuda)[start:]
+            want = a + b
+            assert fn(a, b, a).data_ptr() == a.data_ptr() and torch.equal(a, want)
+        for args in bad:
+            try:
+                fn(*args())
+            except (TypeError, ValueError):
+                refused += 1
+            else:
+                raise AssertionError(f"{name} took a bad call")
+torch.cuda.synchronize()
+print(f"memcheck: lab 01's hand kernels ran on every layout; {refused} bad calls refused")
+"""
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_hand_kernels_under_compute_sanitizer(hand, tmp_path):
+    """Small sizes, every layout, in place, misaligned starts and the bad calls, under memcheck: no access outside
+    an allocation, no launch on what the checks refuse."""
+    print(run_under_memcheck(MEMCHECKED, tmp_path).strip().splitlines()[-2:])

@@ -1,6 +1,13 @@
 """Lab 02 (wavefront vs warp): the graders of exercises 2.1-2.4 (utils/graders/lab02.py) with reference, alternative
 and known-wrong answers. The kernels run on the CPU through utils.simt.run_kernel (CUDA's API on 32 lanes, HIP's on
-64 and 32); on a GPU, `@pytest.mark.gpu` runs the reference kernels on it too."""
+64 and 32); on a GPU, `@pytest.mark.gpu` runs the lab's own builds of them (its load_inline bindings, which
+check what they are given) there too, also under compute-sanitizer's memcheck with bad calls included."""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -318,42 +325,133 @@ def test_through_papermill_an_alternative_passes_then_a_32_lane_reduction_stops_
     assert len(errors(nb)) == 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-def test_reference_kernels_are_exact_on_the_gpu(lab):
-    import torch
-    from torch.utils.cpp_extension import load_inline
+gpu_only = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
-    binding = r'''
-#include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-torch::Tensor sum(torch::Tensor x) {
-    auto out = torch::zeros({1}, x.options()); int n = x.numel();
-    sum_portable<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(x.data_ptr<int>(), out.data_ptr<int>(), n);
-    return out;
-}
-torch::Tensor count(torch::Tensor x) {
-    auto out = torch::zeros({1}, x.options().dtype(torch::kInt)); int n = x.numel();
-    count_positive<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(x.data_ptr<float>(), out.data_ptr<int>(), n);
-    return out;
-}
-void both(torch::Tensor x, torch::Tensor y, int64_t period) {
-    int n = x.numel();
-    divergent<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(x.data_ptr<float>(), n, period, 7);
-    converged<<<(n + 255) / 256, 256, 0, at::cuda::getCurrentCUDAStream()>>>(y.data_ptr<float>(), n, period, 7);
-}
-'''
-    mod = load_inline("test_lab02_kernels", cpp_sources="torch::Tensor sum(torch::Tensor x); torch::Tensor count(torch::Tensor x); "
-                      "void both(torch::Tensor x, torch::Tensor y, int64_t period);",
-                      cuda_sources=lab.SHUFFLE + lab.DIVERGENT + lab.sum_portable_kernel() + lab.count_positive_kernel()
-                      + lab.converged_kernel() + binding, functions=["sum", "count", "both"])
-    for n in (1, 1000, 4099, 1 << 20):
+
+@pytest.fixture(scope="module")
+def built(lab):
+    """The lab's hand kernels as its notebook builds them (build_divergent, build_reduce, build_converged)."""
+    return {"run_divergent": lab.build_divergent().run_divergent, "run_sum": lab.build_reduce().run_sum,
+            "run_count": lab.build_reduce().run_count, "run_converged": lab.build_converged().run_converged}
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_reference_kernels_are_exact_on_the_gpu(built):
+    import torch
+
+    for n in (0, 1, 1000, 4099, 1 << 20):
         x = torch.randint(-4, 7, (n,), device="cuda", dtype=torch.int32)
-        assert int(mod.sum(x)) == int(x.sum())
+        assert int(built["run_sum"](x, True)) == int(x.sum())
         f = torch.randn(n, device="cuda")
-        assert int(mod.count(f)) == int((f > 0).sum())
+        assert int(built["run_count"](f)) == int((f > 0).sum())
         for period in (1, 2, 32, 64, 128):
             a = torch.rand(n, device="cuda")
             b = a.clone()
-            mod.both(a, b, period)
+            built["run_divergent"](a, period, 7)
+            built["run_converged"](b, period, 7)
             torch.testing.assert_close(a, b)
+
+
+def _cuda(*shape, dtype="float32"):
+    import torch
+
+    return torch.ones(shape, device="cuda", dtype=getattr(torch, dtype))
+
+
+BAD_CALLS = {   # id: (function, arguments, error, words)
+    "float64": ("run_divergent", lambda: (_cuda(8, dtype="float64"), 1, 7), TypeError, "takes a torch.float32 tensor"),
+    "cpu": ("run_divergent", lambda: (__import__("torch").ones(8), 1, 7), ValueError, "runs on a GPU"),
+    "strided": ("run_divergent", lambda: (_cuda(16)[::2], 1, 7), ValueError, "contiguous"),
+    "expanded": ("run_converged", lambda: (_cuda(1).expand(8), 1, 7), ValueError, "contiguous"),
+    "2-D transposed": ("run_divergent", lambda: (_cuda(4, 6).T, 1, 7), ValueError, "contiguous"),
+    "period 0": ("run_divergent", lambda: (_cuda(8), 0, 7), ValueError, "period from 1"),
+    "negative iters": ("run_divergent", lambda: (_cuda(8), 1, -1), ValueError, "iters from 0"),
+    "period past half a block": ("run_converged", lambda: (_cuda(8), 129, 7), ValueError, "period from 1 to 128"),
+    "sum of floats": ("run_sum", lambda: (_cuda(8), True), TypeError, "takes a torch.int32 tensor"),
+    "sum of int64": ("run_sum", lambda: (_cuda(8, dtype="int64"), False), TypeError, "takes a torch.int32 tensor"),
+    "sum strided": ("run_sum", lambda: (_cuda(8, dtype="int32")[::2], True), ValueError, "contiguous"),
+    "count of ints": ("run_count", lambda: (_cuda(8, dtype="int32"),), TypeError, "takes a torch.float32 tensor"),
+    "count on the CPU": ("run_count", lambda: (__import__("torch").ones(8),), ValueError, "runs on a GPU"),
+    "not a tensor": ("run_count", lambda: ([1.0, 2.0],), TypeError, "incompatible function arguments"),
+}
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", BAD_CALLS, ids=list(BAD_CALLS))
+def test_gpu_hand_kernels_say_what_they_support(built, case):
+    import torch
+
+    name, args, error, words = BAD_CALLS[case]
+    with pytest.raises(error, match=words):
+        built[name](*args())
+    torch.cuda.synchronize()                   # nothing was launched that could fail later
+
+
+def run_under_memcheck(script, tmp_path):
+    """`script` in a new Python under compute-sanitizer's memcheck, with PyTorch's caching allocator off (each
+    tensor its own allocation, so an access past one is seen); its output, once memcheck found 0 errors."""
+    import torch
+
+    tool = shutil.which("compute-sanitizer") or (sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) or [None])[-1]
+    if torch.version.hip or tool is None:
+        pytest.skip("needs NVIDIA's compute-sanitizer (CUDA toolkit); ROCm's sanitizers are not wired in here")
+    (tmp_path / "kernels.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--target-processes",
+                          "application-only", sys.executable, str(tmp_path / "kernels.py")],
+                         capture_output=True, text=True, env=env, timeout=480)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in out and "refused" in out, out[-6000:]
+    return out
+
+
+MEMCHECKED = r"""
+import torch
+from utils import solutions
+
+lab = solutions.load("02")
+divergent, reduce, converged = lab.build_divergent(), lab.build_reduce(), lab.build_converged()   # built by the test
+for n in (0, 1, 255, 257, 4099):
+    x = torch.randint(-4, 7, (n,), device="cuda", dtype=torch.int32)
+    assert int(reduce.run_sum(x, True)) == int(x.sum()) and int(reduce.run_sum(x, False)) == int(x.sum())
+    f = torch.randn(n, device="cuda")
+    assert int(reduce.run_count(f)) == int((f > 0).sum())
+    for period in (1, 3, 32, 64, 128):
+        a = torch.rand(n, device="cuda")
+        b = a.clone()
+        divergent.run_divergent(a, period, 3)
+        converged.run_converged(b, period, 3)
+        torch.testing.assert_close(a, b)
+cuda = dict(device="cuda")
+bad = [(divergent.run_divergent, lambda: (torch.ones(16, **cuda)[::2], 1, 3)),
+       (divergent.run_divergent, lambda: (torch.ones(1, **cuda).expand(300), 1, 3)),
+       (divergent.run_divergent, lambda: (torch.ones(8), 1, 3)),
+       (divergent.run_divergent, lambda: (torch.ones(8, dtype=torch.float64, **cuda), 1, 3)),
+       (divergent.run_divergent, lambda: (torch.ones(8, **cuda), 0, 3)),
+       (converged.run_converged, lambda: (torch.ones(300, **cuda), 200, 3)),
+       (converged.run_converged, lambda: (torch.ones(1, **cuda).expand(300), 1, 3)),
+       (reduce.run_sum, lambda: (torch.ones(300, **cuda), True)),
+       (reduce.run_sum, lambda: (torch.ones(300, dtype=torch.int64, **cuda), False)),
+       (reduce.run_count, lambda: (torch.ones(300, dtype=torch.int32, **cuda),)),
+       (reduce.run_count, lambda: (torch.ones(600, **cuda)[::2],))]
+refused = 0
+for fn, args in bad:
+    try:
+        fn(*args())
+    except (TypeError, ValueError):
+        refused += 1
+    else:
+        raise AssertionError(f"{fn.__name__} took a bad call")
+torch.cuda.synchronize()
+print(f"memcheck: lab 02's hand kernels ran at sizes 0 to 4099; {refused} bad calls refused")
+"""
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_hand_kernels_under_compute_sanitizer(built, tmp_path):
+    """Ragged small sizes, every period the lab uses and the bad calls, under memcheck."""
+    print(run_under_memcheck(MEMCHECKED, tmp_path).strip().splitlines()[-2:])

@@ -135,6 +135,29 @@ def test_tma_view_takes_only_what_tma_can_read(lab):
     assert lab.tma_view(x[:1].expand(64, 512)) is None          # stride 0
 
 
+def test_tma_refusal_names_the_constraint_and_persistent_matmul_routes_around_it(lab):
+    """What TMA descriptors can describe is a matter of layout alone (the same answer on any machine): nn.Linear's
+    x @ W.T goes through them unless C's rows (N elements) are not a multiple of 16 bytes; what they cannot take
+    gets plain loads, and `tma=True` says why instead."""
+    x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
+    assert lab.tma_refusal(x, w.T) is None and lab.tma_refusal(x, w.T.contiguous()) is None
+    assert lab.tma_refusal(x, w[:20].T) == "C's rows of N = 20 elements take 40 bytes, not a multiple of 16"
+    assert "a (shape (8, 63), strides (64, 1), 2-byte elements) is not TMA-readable" in lab.tma_refusal(x[:, 1:], w.T[1:])
+    assert "strides (0, 1)" in lab.tma_refusal(x[:1].expand(8, 64), w.T)
+    assert "b (shape (64, 24), strides (25, 1)" in lab.tma_refusal(x, torch.randn(64, 25, dtype=torch.bfloat16)[:, :24])
+    gen = torch.Generator().manual_seed(3)
+    a, weight = torch.randn(5, 32, generator=gen).to(DEVICE), torch.randn(7, 32, generator=gen).to(DEVICE)
+    torch.testing.assert_close(lab.persistent_matmul(a, weight.T, input_precision="ieee"),
+                               torch.nn.functional.linear(a, weight), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tma=True.*C's rows of N = 7 elements take 28 bytes, not a multiple of 16"):
+        lab.persistent_matmul(a, weight.T, tma=True)
+    if lab.interpreting():
+        with pytest.raises(ValueError, match="tma=True.*Hopper"):
+            lab.persistent_matmul(a, torch.randn(32, 8, device=DEVICE), tma=True)
+    with pytest.raises(ValueError, match="a is 4x8 and b is 5x6: a's columns must equal b's rows"):
+        lab.matmul(torch.randn(4, 8, device=DEVICE), torch.randn(5, 6, device=DEVICE))   # the short wrapper too
+
+
 def test_fp32_default_follows_torch_and_tf32_is_visible(lab):
     gen = torch.Generator().manual_seed(1)
     a, b = torch.randn(97, 65, generator=gen).to(DEVICE), torch.randn(65, 33, generator=gen).to(DEVICE)
@@ -219,6 +242,50 @@ def test_full_grid_on_gpu(lab):
                 failures.append(f"{matmul}: {err}")
     print(f"full grid: {count - len(failures)} of {count} cases pass")
     assert not failures, failures[:10]
+
+
+def layout_operand(rows, cols, layout, dtype, gen):
+    """operand's layouts, and two more: "offset" (contiguous rows from one element past a 16-byte boundary) and
+    "padded" (rows of `cols` in a buffer whose rows are padded to 16 bytes: strided, but TMA-readable)."""
+    if layout == "offset":
+        return torch.randn(rows * cols + 1, generator=gen).to(DEVICE, dtype)[1:].view(rows, cols)
+    if layout == "padded":
+        per_16 = 16 // torch.empty(0, dtype=dtype).element_size()
+        return torch.randn(rows, -(-(cols + 1) // per_16) * per_16, generator=gen).to(DEVICE, dtype)[:, :cols]
+    return operand(rows, cols, layout, dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+def test_every_layout_takes_a_path_that_reads_it_on_gpu(lab):
+    """persistent_matmul with every layout of a against nn.Linear's weight (b = W.T, "transposed") and every layout of b
+    against a contiguous a, at sizes whose rows are and are not multiples of 16 bytes, in BF16 and FP32: right through
+    whichever path it picks, right with tma=False, right with tma=True where TMA can read the operands and a ValueError
+    naming the constraint where not; on Hopper both paths are taken. (The full grid above crosses every layout pair.)"""
+    layouts = ["contiguous", "transposed", "sliced", "expanded", "offset", "padded"]
+    pairs = [(la, "transposed") for la in layouts] + [("contiguous", lb) for lb in layouts if lb != "transposed"]
+    sizes = [(64, 100, 128), (33, 24, 40), (17, 7, 9)]
+    precisions = [(torch.bfloat16, None), (torch.float32, "ieee")]
+    paths, failures, count = {}, [], 0
+    for (m, n, k), (la, lb), (dtype, p) in itertools.product(sizes, pairs, precisions):
+        count += 1
+        gen = torch.Generator().manual_seed(count)
+        a, b = layout_operand(m, k, la, dtype, gen), layout_operand(k, n, lb, dtype, gen)
+        ref = a.double() @ b.double()
+        tma = lab.uses_tma(a, b)
+        paths[str(dtype)[6:], tma] = paths.get((str(dtype)[6:], tma), 0) + 1
+        for how, kw in (("auto", {}), ("tma=False", {"tma": False})) + ((("tma=True", {"tma": True}),) if tma else ()):
+            c = lab.persistent_matmul(a, b, input_precision=p, **kw)
+            err = ((c.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not (c.shape == (m, n) and c.is_contiguous() and err < TOLERANCE[p or dtype]):
+                failures.append(f"{how} {m}x{n}x{k} a {la} b {lb} {dtype} ({'TMA' if tma else 'plain'}): error {err:.2e}")
+        if not tma and lab.tma_refusal(a, b) is not None:
+            with pytest.raises(ValueError, match=r"tma=True\): .*(16-byte|multiple of 16)"):
+                lab.persistent_matmul(a, b, input_precision=p, tma=True)
+    print(f"layout grid: {count - len(failures)} of {count} cases right; cases per (dtype, TMA): {paths}")
+    assert not failures, failures[:10]
+    if GPU and not torch.version.hip and torch.cuda.get_device_capability() >= (9, 0):
+        assert all(paths.get((str(dtype)[6:], tma), 0) > 0 for dtype, _ in precisions for tma in (True, False)), paths
 
 
 # --- graders: reference, alternative and known-wrong answers -------------------------------------------

@@ -136,6 +136,79 @@ def test_the_tma_kernel(lab, d, layout, n, causal):
     assert ok, f"{err:.3g} > {allowed:.3g}"
 
 
+# --- the dispatch: which kernel and tiles triton_attention runs ---------------------------------------------
+
+def on_table_gpu(lab) -> bool:
+    return GPU and not torch.version.hip and "{}.{}".format(*torch.cuda.get_device_capability()) == \
+        lab.DISPATCH["capability"]
+
+
+def test_the_dispatch_table_is_whole(lab):
+    """utils/data/lab04_dispatch.json: per shape measured, valid tiles for each kernel and which was fastest, the
+    headline with both masks among them; `dispatch_entry` finds each entry at its own shape."""
+    table = lab.DISPATCH
+    assert table["capability"] and table["date"] and table["triton"] and table["device"]
+    shapes = {(e["B"], e["H"], e["N"], e["D"], e["causal"]) for e in table["entries"]}
+    assert {(4, 32, 4096, 128, False), (4, 32, 4096, 128, True)} <= shapes
+    for e in table["entries"]:
+        assert e["fastest"] in ("hopper", "portable") and "portable" in e and e["fastest"] in e, e
+        for path in ("hopper", "portable"):
+            if path in e:
+                lab.check_config(e[path])
+        assert lab.dispatch_entry(e["B"], e["H"], e["N"], e["D"], e["causal"]) is e
+
+
+def test_the_nearest_entry_has_the_same_mask_and_padded_head_dim(lab):
+    for batch, heads, n, d, causal in ((3, 20, 3000, 120, True), (1, 2, 100, 72, False), (2, 4, 50, 200, True)):
+        e = lab.dispatch_entry(batch, heads, n, d, causal)
+        if e is not None:
+            assert e["causal"] == causal and max(16, 1 << (e["D"] - 1).bit_length()) == max(16, 1 << (d - 1).bit_length())
+    assert lab.dispatch_entry(1, 2, 100, 16, True) is None or lab.dispatch_entry(1, 2, 100, 16, True)["D"] <= 16
+
+
+@pytest.mark.skipif(GPU, reason="the CPU's rule")
+def test_off_the_tables_gpu_the_interpreter_runs_the_portable_kernel(lab):
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert lab.choose(q, q, q, True) == ("portable", lab.attention_configs(64, "interpreter"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_the_dispatch_runs_each_entrys_kernel_and_is_right(lab, causal):
+    """On the table's GPU, at each shape of the table: `choose` picks the entry's fastest kernel and its tiles (the
+    portable kernel's when the TMA kernel cannot take the inputs), and `triton_attention` is right there (the first
+    batch and two heads checked), twice (the second call launches the build directly)."""
+    if not on_table_gpu(lab):
+        pytest.skip("the dispatch table was measured on another GPU")
+    for e in [e for e in lab.DISPATCH["entries"] if e["causal"] == causal]:
+        q, k, v = (torch.randn(e["B"], e["H"], e["N"], e["D"], device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        path, configs = lab.choose(q, k, v, causal)
+        assert (path, configs[0]) == (e["fastest"], e[e["fastest"]]), e
+        first, again = lab.triton_attention(q, k, v, causal), lab.triton_attention(q, k, v, causal)
+        assert torch.equal(first, again)
+        ok, err, allowed = graders.within_tolerance(again[:1, :2], q[:1, :2], k[:1, :2], v[:1, :2], causal)
+        assert ok, f"{e}: {err:.3g} > {allowed:.3g}"
+        strided = torch.randn(e["B"], e["H"], e["D"], e["N"], device=DEVICE, dtype=torch.bfloat16).transpose(2, 3)
+        assert lab.choose(strided, k, v, causal) == ("portable", lab.choose(strided, k, v, causal)[1])
+        assert lab.choose(strided, k, v, causal)[1][0] == e["portable"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("layout", graders.LAYOUTS)
+def test_a_repeated_call_launches_the_same_build(lab, layout):
+    """The second call with the same shape, layout and alignment skips Triton's argument binding (`launch`): the
+    same answer, bit for bit, for the wrapper and the portable kernel, in every layout, ragged N, both masks."""
+    for causal in (False, True):
+        q, k, v = graders.make_inputs(2, 3, 97, 80, layout, device=DEVICE, seed=7)
+        for fn in (lab.triton_attention, lab.portable_attention):
+            first, again = fn(q, k, v, causal), fn(q, k, v, causal)
+            assert torch.equal(first, again), (fn.__name__, causal)
+            ok, err, allowed = graders.within_tolerance(again, q, k, v, causal)
+            assert ok, f"{fn.__name__} causal={causal}: {err:.3g} > {allowed:.3g}"
+
+
 def test_the_lab_module_offers_the_graders_tolerance_rule(lab):
     """bench/lab04_*.py read flash-attn's rule from the lab's module; it lives in utils/graders/lab04.py."""
     assert lab.within_tolerance is graders.within_tolerance

@@ -285,6 +285,28 @@ def test_graph_mode_needs_a_gpu(tiny):
         tp.make_step(model, "fast")
 
 
+def test_dtensor_plans_are_the_split_by_hand(tiny):
+    """parallelize_module's plan: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj (TPLlama's
+    split), the output layer split by vocabulary and gathered, unless it shares the embedding's weight."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    cfg = tp.model_config("tiny")
+    layer, top = tp.dtensor_plans(cfg)
+    assert {k for k, v in layer.items() if type(v) is ColwiseParallel} == {
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+    assert {k for k, v in layer.items() if type(v) is RowwiseParallel} == {"self_attn.o_proj", "mlp.down_proj"}
+    assert layer["self_attn.o_proj"].output_layouts == (Replicate(),)           # the all-reduce
+    assert layer["self_attn.q_proj"].output_layouts == (Shard(-1),)             # no communication
+    assert list(top) == ["lm_head"] and top["lm_head"].output_layouts == (Replicate(),)   # the all-gather
+    assert tp.dtensor_plans(tp.model_config("tiny", tie_word_embeddings=True))[1] == {}
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny[torch.float32][0])
+    names = {n for n, _ in hf.named_modules()}
+    assert all(f"model.layers.0.{k}" in names for k in layer) and "lm_head" in names   # the plan names real modules
+
+
 def test_profiler_names_of_collectives():
     assert tp.collective_name("nccl:all_reduce") == "all_reduce"
     assert tp.collective_name("gloo:all_gather") == "all_gather"
@@ -631,4 +653,26 @@ def test_collectives_over_nccl(build_dir):
                           name="test-nccl")
     res = run.result()
     assert res["backend"] == "nccl" and all(r["wrong"] == 0 for r in res["rows"])
+    nothing_left(run)
+
+
+@pytest.mark.gpu
+def test_parallelize_module_matches_the_split_by_hand_on_gpus(tiny, build_dir):
+    """Two GPUs: PyTorch's parallelize_module (DTensor) and the hand-written split give the single process's BF16
+    logits within tolerance, and the same collectives per token (2 x layers all-reduces, one all-gather)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    folder, reference = tiny[torch.bfloat16]
+    run = launch.torchrun("utils.multigpu.tp", ["--model", folder, "--tokens", ",".join(map(str, TOKENS)),
+                                                "--decode", 8, "--modes", "eager", "--dtensor"],
+                          nproc=2, timeout=600, name="test-dtensor")
+    res = run.result()
+    assert "error" not in res["dtensor"], res["dtensor"]
+    for r in range(2):
+        hand = torch.load(run.out_dir / f"hand-eager-rank{r}.pt")
+        dt = torch.load(run.out_dir / f"dtensor-rank{r}.pt")
+        assert tp.compare(dt, reference) <= tp.tolerance(torch.bfloat16)
+        assert tp.compare(dt, hand) <= tp.tolerance(torch.bfloat16)
+    assert res["dtensor"]["counts"] == {"all_reduce": 4, "all_gather": 1}
+    assert res["dtensor"]["tokens_per_s"] > 0
     nothing_left(run)

@@ -219,7 +219,44 @@ def test_window_throughput_goodput_and_slo():
     assert s["ttft"]["n"] == 3 and s["ttft"]["p50"] == approx(0.2)
     row = loadgen.row(s)
     assert row["load"] == "0.4 req/s" and row["requests"] == 3 and row["goodput req/s"] == approx(0.1)
-    assert row["TTFT ms: mean / p50 / p90 / p99"] == "267 / 200 / 440 / 494"   # of 100, 500, 200 ms
+    # of 100, 500, 200 ms: three requests support a mean and a median, not a p90 (10) or a p99 (100)
+    assert row["TTFT ms: mean / p50 / p90 / p99"] == "267 / 200 / · / ·"
+    assert loadgen.stat_text(s["ttft"], "p50") == "200 ms"
+    assert loadgen.stat_text(s["ttft"], "p90") == "not enough requests (n=3)"
+    assert not loadgen.completed_nothing(s)
+
+
+def test_percentiles_need_enough_requests():
+    one = loadgen.describe([0.25])
+    assert loadgen.supported(one, "mean") and not loadgen.supported(one, "p50")   # p50 = p90 = p99 of one request
+    assert loadgen.stat_text(one, "p99") == "not enough requests (n=1)"
+    ten, hundred = loadgen.describe([0.1] * 10), loadgen.describe([0.1] * 100)
+    assert loadgen.supported(ten, "p90") and not loadgen.supported(ten, "p99") and loadgen.supported(hundred, "p99")
+    assert [loadgen.needs(q) for q in ("p50", "p90", "p99")] == [2, 10, 100]
+
+
+def test_a_level_that_completed_nothing_says_so():
+    # window [10, 20): the only request started in the warm-up and ended after the window
+    level = loadgen.Level("concurrency", 1, (10.0, 20.0), [synthetic_stream(5.0, 16.0, 1.0, 2, warmup=True)])
+    s = level.summary()
+    assert s["requests"] == 0 and loadgen.completed_nothing(s)
+    assert loadgen.row(s)["TTFT ms: mean / p50 / p90 / p99"] == "– / – / – / –"
+
+
+def test_a_slow_level_goes_on_until_it_has_requests_up_to_its_cap():
+    # each request takes ~0.25 s; a 0.1 s window would start one request at most
+    send, _ = fake_engine(ttft=0.05, step=0.05, tokens=4)
+    streams, (w0, w1) = asyncio.run(loadgen.run_level(send, "concurrency", 1, REQUESTS, duration_s=0.1,
+                                                      min_requests=3, max_duration_s=5.0))
+    assert sum(not s.warmup for s in streams) == 3 and 0.4 < w1 - w0 < 2.0
+    streams, (w0, w1) = asyncio.run(loadgen.run_level(send, "concurrency", 1, REQUESTS, duration_s=0.1,
+                                                      min_requests=50, max_duration_s=0.6))
+    assert w1 - w0 <= 0.6 + 0.3 and sum(not s.warmup for s in streams) < 50          # the cap wins
+    # open loop at 10 requests/s for 0.05 s: the next arrivals of the same process are kept until there are 4
+    streams, (w0, w1) = asyncio.run(loadgen.run_level(send, "rate", 10, REQUESTS, duration_s=0.05, seed=1,
+                                                      min_requests=4, max_duration_s=60))
+    arrivals = loadgen.arrival_times(10, 60, seed=1)
+    assert len(streams) == 4 and w1 - w0 == pytest.approx(arrivals[3], abs=1e-3)
 
 
 def test_bad_levels_are_refused():
@@ -237,3 +274,24 @@ def test_the_prompt_set_ships_with_the_course():
     assert len(requests) == 40 and len({r.prompt for r in requests}) == 40
     lengths = [r.prompt_tokens for r in requests]
     assert min(lengths) < 10 and max(lengths) > 40
+
+
+def test_the_load_figures_show_a_level_that_measured_nothing():
+    """One panel per figure, sized for a report page; a level that completed no request is drawn as such (the knee
+    marks it on the axis), never as a throughput; p90 lines only where 10 requests support them."""
+    ok = [synthetic_stream(10.0 + i, 0.1, 0.05, 11) for i in range(4)]
+    good = loadgen.Level("concurrency", 4, (10.0, 20.0), ok).summary(slo_ttft_s=0.3, slo_tpot_s=0.1)
+    empty = loadgen.Level("concurrency", 1, (10.0, 20.0), [synthetic_stream(5.0, 16.0, 1.0, 2, warmup=True)]).summary()
+    rate = loadgen.Level("rate", 0.5, (10.0, 20.0), ok).summary(slo_ttft_s=0.3, slo_tpot_s=0.1)
+    knee = loadgen.plot_knee([empty, good], [rate], slo_tpot_s=0.1)
+    texts = [t.get_text() for t in knee.axes[0].texts]
+    assert "c=1: measured nothing" in texts and "c=4" in texts
+    labels = knee.axes[0].get_legend_handles_labels()[1]
+    assert "measured nothing (no request completed)" in labels and not any("p90" in x for x in labels)
+    assert tuple(knee.get_size_inches()) == loadgen.FIGSIZE and len(knee.axes) == 1
+    sat = loadgen.plot_saturation([empty, good], ceiling=lambda c: 100 * c)
+    assert any("measured nothing" in t.get_text() for t in sat.axes[0].texts)
+    assert len(loadgen.plot_rates([rate], slo_ttft_s=0.3).axes) == 2          # the latencies and a requests/s axis
+    import matplotlib.pyplot as plt
+
+    plt.close("all")

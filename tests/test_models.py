@@ -1,4 +1,6 @@
 """utils.llm.models: published shapes, the ceiling and KV arithmetic, SmolLM2 from its wheel, random models."""
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,22 @@ def test_decode_rate_is_measured_over_exact_token_counts():
     assert 0 < rate < 1e6
     with pytest.raises(ValueError):
         models.decode_tokens_per_s(model, ids, 1)
+
+
+def test_a_decode_rate_from_noisy_timings_is_marked_not_negative():
+    """t(N) - t(1) on a busy machine can be zero or less: never a negative rate, always a reason."""
+    def clock(times):
+        times = iter(times)
+        return lambda n: next(times)
+
+    steady = models.time_decode(clock([9, 0.5, 0.6, 0.5, 0.6, 0.5, 0.6]), 11, rounds=3)   # warm-up, then 10 ms/token
+    assert steady.tokens_per_s == pytest.approx(100.0) and steady.reason is None and steady.problem is None
+    noisy = models.time_decode(clock([9, 0.9, 0.6, 0.5, 0.6, 0.5, 0.6]), 11, rounds=3)    # one prefill slower
+    assert noisy.tokens_per_s == pytest.approx(100.0) and "1 of 3 rounds" in noisy.reason
+    busy = models.time_decode(clock([9, 0.9, 0.6, 0.8, 0.6, 0.5, 0.6]), 11, rounds=3)
+    assert math.isnan(busy.tokens_per_s) and "no measurable" in busy.reason and "unreliable" in busy.text()
+    spread = models.time_decode(clock([9, 0.5, 0.55, 0.5, 0.6, 0.5, 0.9]), 11, rounds=3)
+    assert spread.reason is None and "spread" in spread.problem
 
 
 def test_trained_tokenizer_drives_a_random_model(tmp_path):

@@ -152,9 +152,10 @@ def test_engine_choice_and_commands(monkeypatch, tmp_path):
     assert "--continuous-batching" in cpu and cpu[cpu.index("--cb-num-blocks") + 1] == "64"
     gpu = tf.command("/m/smol", host="127.0.0.1", port=8002, device="cuda", served_name="/m/smol")
     assert "--cb-num-blocks" not in gpu and gpu[gpu.index("--dtype") + 1] == "bfloat16"
+    assert cpu[cpu.index("--dtype") + 1] == "bfloat16"      # half the FP32 checkpoint's memory (Binder's 2 GB)
     assert "--cb-use-cuda-graph" in gpu and "--cb-use-cuda-graph" not in cpu
     assert json.loads(tf.pinned_length(16)["generation_config"]) == {"eos_token_id": -1}   # accepted, unlike ignore_eos
-    assert (tf.weight_bytes_per_param("cpu"), tf.weight_bytes_per_param("cuda")) == (4, 2)
+    assert (tf.weight_bytes_per_param("cpu"), tf.weight_bytes_per_param("cuda")) == (2, 2)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert tf.environment("cpu")["HF_HUB_OFFLINE"] == "1" and (tmp_path / "hf" / "hub").is_dir()
 

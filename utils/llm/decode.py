@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils.llm import models
+
 # RoPE variants whose tables depend on the sequence length reached so far (transformers rescales
 # them as the sequence grows): a fixed table cannot reproduce them.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -358,12 +360,18 @@ def _sync(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def tokens_per_s(decoder: LeanDecoder, prompt_ids: torch.Tensor, new_tokens: int, *, warmup: int = 1) -> float:
+def tokens_per_s(decoder: LeanDecoder, prompt_ids: torch.Tensor, new_tokens: int, *, warmup: int = 1,
+                 rounds: int = 3) -> float:
     """Batch-1 decode rate of ``decoder.generate``, measured like ``models.decode_tokens_per_s``:
-    ``(new_tokens - 1) / (t(new_tokens) - t(1))``, so the prompt's prefill cancels out. ``warmup``
-    runs come first (a compiled step compiles and records its graph on its first calls)."""
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens!r} must be a whole number >= 2")
+    ``(new_tokens - 1) / (t(new_tokens) - t(1))`` over interleaved rounds, so the prompt's prefill cancels
+    out (NaN when no decode time could be measured). ``warmup`` runs come first (a compiled step compiles
+    and records its graph on its first calls). ``rate()`` gives the figure with its rounds and reason."""
+    return rate(decoder, prompt_ids, new_tokens, warmup=warmup, rounds=rounds).tokens_per_s
+
+
+def rate(decoder: LeanDecoder, prompt_ids: torch.Tensor, new_tokens: int, *, warmup: int = 1, rounds: int = 3):
+    """``tokens_per_s`` as a ``models.DecodeRate``: the rate, each round's time per token, and why it is
+    unreliable when it is."""
     sync = _sync(prompt_ids.device)
 
     def run(n: int) -> float:
@@ -373,10 +381,7 @@ def tokens_per_s(decoder: LeanDecoder, prompt_ids: torch.Tensor, new_tokens: int
         sync()
         return _clock() - start
 
-    for _ in range(warmup):
-        run(new_tokens)
-    prefill = min(run(1) for _ in range(3))
-    return (new_tokens - 1) / (run(new_tokens) - prefill)
+    return models.time_decode(run, new_tokens, warmup=warmup, rounds=rounds)
 
 
 def compile_skip_reason(device) -> str | None:

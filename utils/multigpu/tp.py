@@ -498,6 +498,55 @@ def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, mo
     return results
 
 
+def dtensor_plans(config) -> tuple[dict, dict]:
+    """PyTorch's own tensor parallelism for a transformers Llama, the split `TPLlama` writes by hand, as
+    `parallelize_module` plans: (the plan of every decoder layer, the plan of the whole model). Column-parallel
+    q/k/v and gate/up (each rank its heads and features, no communication), row-parallel o_proj and down_proj
+    (a partial sum, then an all-reduce); the output layer split by vocabulary with its logits gathered
+    (Replicate), unless it shares its weight with the embedding, which stays whole."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    top = {} if getattr(config, "tie_word_embeddings", False) else {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    return layer, top
+
+
+def dtensor_llama(model_dir, *, world: int, device, dtype):
+    """A transformers Llama from `model_dir`, split over the `world` ranks of the default group by
+    `torch.distributed.tensor.parallel.parallelize_module` on a one-dimensional DeviceMesh: its weights become
+    DTensors (each rank keeps its shard), its activations stay plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    layer_plan, top_plan = dtensor_plans(model.config)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, layer_plan)
+    if top_plan:
+        parallelize_module(model, mesh, top_plan)
+    return model
+
+
+def run_dtensor(model_dir, tokens, *, rank, world, device, dtype, decode, out: Path | None) -> dict:
+    """PyTorch's parallelize_module (DTensor) on this rank: logits of `tokens` (saved), the collectives of one
+    decode step, and transformers' generate's decode rate, as for `run_hf_tp`."""
+    model = dtensor_llama(model_dir, world=world, device=device, dtype=dtype)
+    logits = hf_reference_logits(model, tokens)
+    if out is not None:
+        torch.save(logits, out / f"dtensor-rank{rank}.pt")
+    ids = torch.tensor([tokens], device=model.device)
+    result = {"counts": hf_collectives_per_token(model, tokens),
+              "tokens_per_s": models.decode_tokens_per_s(model, ids, decode, warmup=1)}
+    del model
+    free(device)
+    return result
+
+
 def run_hf_tp(model_dir, tokens, *, rank, device, dtype, decode, out: Path | None) -> dict:
     """transformers' own tensor parallelism: from_pretrained(dir, tp_plan="auto") on every rank."""
     from transformers import AutoModelForCausalLM
@@ -524,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=16, help="tokens timed per measurement")
     p.add_argument("--modes", default="eager", help="eager,graph")
     p.add_argument("--hf", action="store_true", help="also transformers' tp_plan='auto'")
+    p.add_argument("--dtensor", action="store_true", help="also PyTorch's parallelize_module (DTensor)")
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
@@ -546,6 +596,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - transformers' API moves; the hand-written results still count
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"rank {rank}: transformers tp_plan='auto' failed: {result['hf']['error']}", flush=True)
+    if a.dtensor:
+        try:
+            result["dtensor"] = run_dtensor(a.model, tokens, rank=rank, world=world, device=device, dtype=dtype,
+                                            decode=a.decode, out=a.out)
+        except Exception as exc:  # noqa: BLE001 - reported beside the other paths, which still count
+            result["dtensor"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"rank {rank}: parallelize_module failed: {result['dtensor']['error']}", flush=True)
     if rank == 0:
         (a.out / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()

@@ -329,3 +329,18 @@ def test_a_reference_takes_figures_only_from_labs_that_finished_in_the_latest_ru
     printed = capsys.readouterr().out
     assert "02_wavefront_vs_warp: left out of the reference (**FAILED**: TypeError: x)" in printed
     assert "03_bf16_matmul: left out of the reference (not run in the latest run" in printed
+
+
+def test_a_figure_recorded_after_its_measurement_is_judged_over_the_measurement(build_dir, monkeypatch):
+    """A load level's percentiles are recorded a few milliseconds apart, after the minutes the level ran: their
+    window is widened back to the last figure's moment that leaves enough time, so the load under it counts."""
+    import time
+
+    from utils import machine
+
+    busy = {"cores": 2, "load1": 3.0, "busy_s": 100.0, "own_s": 40.0}
+    monkeypatch.setattr(machine, "cpu_state", lambda: dict(busy))
+    rec = record.start("05_llm_serving", devices.cpu_info())
+    rec._marks = [{"time": time.time() - 60, "cpu": dict(busy, busy_s=0.0, own_s=0.0)}]   # the level started 60 s ago
+    m = rec.metric("ttft_p50_ms", 80.0, "ms", label="TTFT p50", size="c=1", samples=40)
+    assert m["verdict"] == "unreliable" and m["reasons"][0].startswith("other processes used 50% of the 2 CPU cores")

@@ -60,6 +60,7 @@ class Recorder:
         self.figure_dir = self.root / lab
         self._plat = backend.of(device) if device is not None else None
         self._mark = machine.snapshot(self._plat)
+        self._marks = [self._mark]      # every figure's moment: a too-short window is widened back to one of them
         self.data = {
             "lab": lab,
             "device": asdict(device) if device is not None else None,
@@ -109,7 +110,14 @@ class Recorder:
             entry["spread"] = round(float(spread), 4)
         now = machine.snapshot(self._plat)
         window = window or {"before": self._mark, "after": now}    # no timing: the span since the last figure
+        if window["after"]["time"] - window["before"]["time"] < machine.MIN_WINDOW_S:
+            # too short to count other programs' CPU time (a figure derived from a measurement recorded just
+            # before, or a few milliseconds of timing): widen it back to the last mark that leaves enough time
+            older = [m for m in self._marks if window["after"]["time"] - m["time"] >= machine.MIN_WINDOW_S]
+            if older:
+                window = {"before": min(older[-1], window["before"], key=lambda m: m["time"]), "after": window["after"]}
         self._mark = now
+        self._marks.append(now)
         better = better or ("higher" if unit in HIGHER_IS_BETTER else "lower" if unit in LOWER_IS_BETTER else None)
         if better:
             entry["better"] = better

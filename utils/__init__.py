@@ -8,8 +8,9 @@ The kit (what a lab's notebook imports):
     backend     a GPU vendor as one record: its words (wavefront/warp, CU/SM), torch module, compiler targets
     device      which device the course runs on and its published peaks (utils/data/gpu_specs.toml)
     timing      benchmark(): device events on a GPU, perf_counter on the CPU, with spread
+    machine     the machine's state around a measurement: clocks, temperature, power, throttling, CPU load
     params      a parameter declared once, on its line of the `parameters` cell, and its checks
-    record      a lab's headline figures and plots, recorded for the report (results/<lab>.json)
+    record      a lab's headline figures (size, spread, machine state, validity) and plots, for the report
     exercises   the exercises' contract: grade, NOT DONE, PASS, hints, the reference answer
     solutions   the solution notebooks as code: exercise regions, stubs, exported modules (load())
     plots       plots and Markdown tables shared by the labs
@@ -30,7 +31,8 @@ The graders (the notebooks import them; one module per lab):
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):
     machinery/  harness, labs, learner (work/: the learner's copy, its updates, progress), narrate (what a run says
-                while a lab runs), report, executed, preflight, workspace (a hub learner's folder)
+                while a lab runs), report, executed, preflight, workspace (a hub learner's folder), site (the
+                course website, make site)
 
 The floor (imports nothing else of the course):
     base/       paths (files, build folder, course.env, ports), state (safe state files), processes

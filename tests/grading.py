@@ -1,7 +1,12 @@
 """Helpers for the tests that run notebooks and grade answers (imported by the test modules)."""
 from __future__ import annotations
 
+import glob
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -61,3 +66,29 @@ def run_lab_with(lab: str, answers: dict, tmp_path: Path, parameters: dict | Non
         return run_notebook(nb, tmp_path, {"DEVICE": "cpu", **(parameters or {})}), None
     except pm.PapermillExecutionError as err:
         return nbformat.read(tmp_path / "input.ipynb", 4), (err.ename, err.evalue)
+
+
+def compute_sanitizer():
+    """compute-sanitizer (CUDA toolkit), or None."""
+    found = shutil.which("compute-sanitizer") or sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+def run_under_memcheck(script, tmp_path):
+    """`script` in a new Python under compute-sanitizer's memcheck, with PyTorch's caching allocator off (each
+    tensor its own allocation, so an access past one is seen); its output, once memcheck found 0 errors."""
+    import pytest
+    import torch   # only the GPU tests call this
+
+    tool = compute_sanitizer()
+    if torch.version.hip or tool is None:
+        pytest.skip("needs NVIDIA's compute-sanitizer (CUDA toolkit); ROCm's sanitizers are not wired in here")
+    (tmp_path / "kernels.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--target-processes",
+                          "application-only", sys.executable, str(tmp_path / "kernels.py")],
+                         capture_output=True, text=True, env=env, timeout=480)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in out and "refused" in out, out[-6000:]
+    return out

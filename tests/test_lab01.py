@@ -7,18 +7,15 @@ On the CPU the Triton kernels run under the interpreter (a private copy of the l
 utils/graders/lab01.py, called with the loaded module's functions. The full grids, and the hand-written CUDA/HIP
 kernels built with load_inline (also under compute-sanitizer's memcheck, bad calls included), are `gpu` tests
 (`make test-gpu`)."""
-import glob
 import hashlib
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from grading import errors, run_lab_with, stream_text
+from grading import errors, run_lab_with, run_under_memcheck, stream_text
 from utils import isa, solutions
 from utils.exercises import ExerciseFailed
 from utils.graders import lab01 as graders
@@ -421,29 +418,6 @@ def test_gpu_hand_kernels_say_what_they_support(hand, kernel, args, error, words
     with pytest.raises(error, match=words):
         getattr(fn, kernel.removeprefix("ext."))(*args())
     torch.cuda.synchronize()                   # nothing was launched that could fail later
-
-
-def compute_sanitizer():
-    """compute-sanitizer (CUDA toolkit), or None."""
-    found = shutil.which("compute-sanitizer") or sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))
-    return found if isinstance(found, str) else (found[-1] if found else None)
-
-
-def run_under_memcheck(script, tmp_path):
-    """`script` in a new Python under compute-sanitizer's memcheck, with PyTorch's caching allocator off (each
-    tensor its own allocation, so an access past one is seen); its output, once memcheck found 0 errors."""
-    tool = compute_sanitizer()
-    if torch.version.hip or tool is None:
-        pytest.skip("needs NVIDIA's compute-sanitizer (CUDA toolkit); ROCm's sanitizers are not wired in here")
-    (tmp_path / "kernels.py").write_text(script)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--target-processes",
-                          "application-only", sys.executable, str(tmp_path / "kernels.py")],
-                         capture_output=True, text=True, env=env, timeout=480)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in out and "refused" in out, out[-6000:]
-    return out
 
 
 MEMCHECKED = r"""

@@ -2,16 +2,11 @@
 and known-wrong answers. The kernels run on the CPU through utils.simt.run_kernel (CUDA's API on 32 lanes, HIP's on
 64 and 32); on a GPU, `@pytest.mark.gpu` runs the lab's own builds of them (its load_inline bindings, which
 check what they are given) there too, also under compute-sanitizer's memcheck with bad calls included."""
-import glob
-import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from grading import errors, run_lab_with, stream_text
+from grading import errors, run_lab_with, run_under_memcheck, stream_text
 from utils import exercises, solutions
 from utils.exercises import ExerciseFailed
 from utils.graders import lab02 as graders
@@ -387,25 +382,6 @@ def test_gpu_hand_kernels_say_what_they_support(built, case):
     with pytest.raises(error, match=words):
         built[name](*args())
     torch.cuda.synchronize()                   # nothing was launched that could fail later
-
-
-def run_under_memcheck(script, tmp_path):
-    """`script` in a new Python under compute-sanitizer's memcheck, with PyTorch's caching allocator off (each
-    tensor its own allocation, so an access past one is seen); its output, once memcheck found 0 errors."""
-    import torch
-
-    tool = shutil.which("compute-sanitizer") or (sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) or [None])[-1]
-    if torch.version.hip or tool is None:
-        pytest.skip("needs NVIDIA's compute-sanitizer (CUDA toolkit); ROCm's sanitizers are not wired in here")
-    (tmp_path / "kernels.py").write_text(script)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--target-processes",
-                          "application-only", sys.executable, str(tmp_path / "kernels.py")],
-                         capture_output=True, text=True, env=env, timeout=480)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0 and "ERROR SUMMARY: 0 errors" in out and "refused" in out, out[-6000:]
-    return out
 
 
 MEMCHECKED = r"""

@@ -363,6 +363,7 @@ BAD_CALLS = {   # id: (function, arguments, error, words)
     "period 0": ("run_divergent", lambda: (_cuda(8), 0, 7), ValueError, "period from 1"),
     "negative iters": ("run_divergent", lambda: (_cuda(8), 1, -1), ValueError, "iters from 0"),
     "period past half a block": ("run_converged", lambda: (_cuda(8), 129, 7), ValueError, "period from 1 to 128"),
+    "period not dividing 128": ("run_converged", lambda: (_cuda(300), 3, 7), ValueError, "must divide 128"),
     "sum of floats": ("run_sum", lambda: (_cuda(8), True), TypeError, "takes a torch.int32 tensor"),
     "sum of int64": ("run_sum", lambda: (_cuda(8, dtype="int64"), False), TypeError, "takes a torch.int32 tensor"),
     "sum strided": ("run_sum", lambda: (_cuda(8, dtype="int32")[::2], True), ValueError, "contiguous"),
@@ -395,12 +396,13 @@ for n in (0, 1, 255, 257, 4099):
     assert int(reduce.run_sum(x, True)) == int(x.sum()) and int(reduce.run_sum(x, False)) == int(x.sum())
     f = torch.randn(n, device="cuda")
     assert int(reduce.run_count(f)) == int((f > 0).sum())
-    for period in (1, 3, 32, 64, 128):
+    for period in (1, 2, 32, 64, 128):      # converged takes periods that divide 128 (period 3 is refused below)
         a = torch.rand(n, device="cuda")
         b = a.clone()
         divergent.run_divergent(a, period, 3)
         converged.run_converged(b, period, 3)
         torch.testing.assert_close(a, b)
+    divergent.run_divergent(torch.rand(n, device="cuda"), 3, 3)
 cuda = dict(device="cuda")
 bad = [(divergent.run_divergent, lambda: (torch.ones(16, **cuda)[::2], 1, 3)),
        (divergent.run_divergent, lambda: (torch.ones(1, **cuda).expand(300), 1, 3)),
@@ -408,6 +410,7 @@ bad = [(divergent.run_divergent, lambda: (torch.ones(16, **cuda)[::2], 1, 3)),
        (divergent.run_divergent, lambda: (torch.ones(8, dtype=torch.float64, **cuda), 1, 3)),
        (divergent.run_divergent, lambda: (torch.ones(8, **cuda), 0, 3)),
        (converged.run_converged, lambda: (torch.ones(300, **cuda), 200, 3)),
+       (converged.run_converged, lambda: (torch.ones(300, **cuda), 3, 3)),
        (converged.run_converged, lambda: (torch.ones(1, **cuda).expand(300), 1, 3)),
        (reduce.run_sum, lambda: (torch.ones(300, **cuda), True)),
        (reduce.run_sum, lambda: (torch.ones(300, dtype=torch.int64, **cuda), False)),

@@ -84,12 +84,15 @@ def hub(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hub")
     checkout = copy_checkout(tmp / "checkout")
     # the instructor's step before the room arrives: the converted SmolLM2 in the shared models folder
+    # (FP32 for the learners' kernels, BF16 for lab 05's server)
     models = ROOT / "build" / "models"
-    if (models / "smollm2-135m-instruct").is_dir():
-        shutil.copytree(models / "smollm2-135m-instruct", checkout / "build" / "models" / "smollm2-135m-instruct",
-                        copy_function=os.link)
+    folders = ("smollm2-135m-instruct", "smollm2-135m-instruct-bf16")
+    if all((models / f).is_dir() for f in folders):
+        for f in folders:
+            shutil.copytree(models / f, checkout / "build" / "models" / f, copy_function=os.link)
     else:
-        subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", "from utils.llm import models; models.smollm2()"],
+        subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c",
+                        "from utils.llm import models; models.smollm2(); models.smollm2(dtype='bfloat16')"],
                        cwd=checkout, env=dict(os.environ, PYTHONPATH=str(checkout)), check=True, timeout=300)
     homes, state = tmp / "homes", tmp / "state"
     homes.mkdir()

@@ -341,6 +341,33 @@ def test_a_figure_recorded_after_its_measurement_is_judged_over_the_measurement(
     busy = {"cores": 2, "load1": 3.0, "busy_s": 100.0, "own_s": 40.0}
     monkeypatch.setattr(machine, "cpu_state", lambda: dict(busy))
     rec = record.start("05_llm_serving", devices.cpu_info())
-    rec._marks = [{"time": time.time() - 60, "cpu": dict(busy, busy_s=0.0, own_s=0.0)}]   # the level started 60 s ago
+    rec._marks.insert(0, {"time": time.time() - 60, "cpu": dict(busy, busy_s=0.0, own_s=0.0)})   # the level began 60 s ago
     m = rec.metric("ttft_p50_ms", 80.0, "ms", label="TTFT p50", size="c=1", samples=40)
     assert m["verdict"] == "unreliable" and m["reasons"][0].startswith("other processes used 50% of the 2 CPU cores")
+
+
+def test_nvml_is_read_through_nvidia_ml_py_and_initialised_once(monkeypatch):
+    """The NVML reader on a machine without NVIDIA's driver: a stand-in for nvidia-ml-py's module, two snapshots."""
+    import sys
+    import types
+
+    from utils import backend, machine
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1, NVML_TEMPERATURE_GPU=0,
+        nvmlInit=lambda: calls.append("init"), nvmlDeviceGetHandleByIndex=lambda i: ("gpu", i),
+        nvmlDeviceGetClockInfo=lambda h, kind: (1980, 2619)[kind], nvmlDeviceGetMaxClockInfo=lambda h, kind: 1980,
+        nvmlDeviceGetTemperature=lambda h, kind: 41, nvmlDeviceGetPowerUsage=lambda h: 120_000,
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000, nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=4242)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(machine, "_nvml_ready", False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    first, second = machine.gpu_state(backend.CUDA), machine.gpu_state(backend.CUDA)
+    assert first == second == {"source": "nvml", "sm_clock_mhz": 1980, "max_sm_clock_mhz": 1980,
+                               "memory_clock_mhz": 2619, "temperature_c": 41, "power_w": 120.0,
+                               "power_limit_w": 700.0, "slowdown": ["power cap"], "utilization_pct": 97,
+                               "pids": [4242]}
+    assert calls == ["init"]

@@ -88,30 +88,33 @@ def gpu_state(plat: backend.Backend, index: int = 0) -> dict:
     return {}
 
 
+_nvml_ready = False
+
+
 def _nvml(index: int) -> dict:
     try:
         import pynvml   # nvidia-ml-py: optional on a machine without NVIDIA's driver
     except ImportError:
         return {"error": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
-    pynvml.nvmlInit()
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
-        reasons_of = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-        return from_nvml({
-            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
-            "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
-            "temperature_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-            "power_mw": pynvml.nvmlDeviceGetPowerUsage(h),
-            "power_limit_mw": pynvml.nvmlDeviceGetEnforcedPowerLimit(h),
-            "reasons": reasons_of(h),
-            "utilization_pct": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
-            "pids": [p.pid for p in procs],
-        })
-    finally:
-        pynvml.nvmlShutdown()
+    global _nvml_ready
+    if not _nvml_ready:     # once per process, as torch.cuda does: a timing takes two snapshots, a sweep hundreds
+        pynvml.nvmlInit()
+        _nvml_ready = True
+    h = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
+    reasons_of = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+    return from_nvml({
+        "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+        "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+        "memory_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+        "temperature_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+        "power_mw": pynvml.nvmlDeviceGetPowerUsage(h),
+        "power_limit_mw": pynvml.nvmlDeviceGetEnforcedPowerLimit(h),
+        "reasons": reasons_of(h),
+        "utilization_pct": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+        "pids": [p.pid for p in procs],
+    })
 
 
 def _physical_index(index: int) -> int:
@@ -246,10 +249,11 @@ def judge(before: dict | None, after: dict | None) -> list[str]:
     if slow:
         reasons.append(f"the GPU slowed itself down ({', '.join(slow)}) at {ga.get('temperature_c', '?')} °C, "
                        f"{ga.get('power_w', '?')} W")
-    mine = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
-    others = [p for p in ga.get("pids", []) if p not in mine and psutil.pid_exists(p)]
-    if others:
-        reasons.append(f"{len(others)} other process(es) used the GPU (pids {', '.join(map(str, others[:5]))})")
+    if ga.get("pids"):
+        mine = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+        others = [p for p in ga["pids"] if p not in mine and psutil.pid_exists(p)]
+        if others:
+            reasons.append(f"{len(others)} other process(es) used the GPU (pids {', '.join(map(str, others[:5]))})")
     return reasons
 
 

@@ -59,15 +59,14 @@ class Recorder:
         self.path = self.root / f"{lab}.json"
         self.figure_dir = self.root / lab
         self._plat = backend.of(device) if device is not None else None
-        self._mark = machine.snapshot(self._plat)
-        self._marks = [self._mark]      # every figure's moment: a too-short window is widened back to one of them
+        self._marks = [machine.snapshot(self._plat)]   # the start and every figure's moment (the last: _marks[-1])
         self.data = {
             "lab": lab,
             "device": asdict(device) if device is not None else None,
             "software": software_stack(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "run_id": os.environ.get("COURSE_RUN_ID"),   # set by `make run`; None in a notebook of one's own
-            "state": {"start": self._mark},
+            "state": {"start": self._marks[0]},
             "metrics": {},
             "warnings": [],
             "figures": [],
@@ -75,7 +74,7 @@ class Recorder:
         self.path.unlink(missing_ok=True)
         shutil.rmtree(self.figure_dir, ignore_errors=True)
         self._save()
-        cpu = self._mark["cpu"]
+        cpu = self._marks[0]["cpu"]
         if cpu["load1"] > BUSY_LOAD * cpu["cores"]:
             self.warn(f"the machine was busy when this lab started (load average {cpu['load1']} on {cpu['cores']} "
                       "cores: other programs, tests or users): its timings may be slower than this machine can do")
@@ -109,14 +108,13 @@ class Recorder:
         if spread is not None and math.isfinite(spread):
             entry["spread"] = round(float(spread), 4)
         now = machine.snapshot(self._plat)
-        window = window or {"before": self._mark, "after": now}    # no timing: the span since the last figure
+        window = window or {"before": self._marks[-1], "after": now}    # no timing: the span since the last figure
         if window["after"]["time"] - window["before"]["time"] < machine.MIN_WINDOW_S:
             # too short to count other programs' CPU time (a figure derived from a measurement recorded just
             # before, or a few milliseconds of timing): widen it back to the last mark that leaves enough time
             older = [m for m in self._marks if window["after"]["time"] - m["time"] >= machine.MIN_WINDOW_S]
             if older:
                 window = {"before": min(older[-1], window["before"], key=lambda m: m["time"]), "after": window["after"]}
-        self._mark = now
         self._marks.append(now)
         better = better or ("higher" if unit in HIGHER_IS_BETTER else "lower" if unit in LOWER_IS_BETTER else None)
         if better:

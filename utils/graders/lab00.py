@@ -33,6 +33,13 @@ def _mistake(gots, cases, mistakes) -> str | None:
     return None
 
 
+def _report(i: int, shown: int, name: str, ok: bool, hint: str) -> None:
+    """Case `i` of a table: the first `shown` cases are always reported (the learner sees them pass), a hidden one
+    only when it fails."""
+    if i < shown or not ok:
+        check(name, ok, hint)
+
+
 def _integer_division(gots, wants) -> bool:
     """Whether the answer looks floored (// somewhere) where the right value is not a whole number."""
     return any(g == math.floor(g) != w for g, w in zip(gots, wants)) and \
@@ -95,10 +102,7 @@ def check_add_bytes(f):
     for i, ((n, itemsize), got) in enumerate(zip(cases, gots)):
         ok = got == 3 * n * itemsize
         hint = known or f"a and b are read ({2 * n} x {itemsize} bytes) and c is written ({n} x {itemsize} bytes)"
-        if i < 3:
-            check(f"add_bytes({n}, {itemsize})", ok, f"returned {got}; {hint}")
-        elif not ok:
-            check(f"add_bytes({n}, {itemsize})", False, f"returned {got}; {hint}")
+        _report(i, 3, f"add_bytes({n}, {itemsize})", ok, f"returned {got}; {hint}")
 
 
 # --- 0.3 --------------------------------------------------------------------------------------------------
@@ -128,10 +132,7 @@ def check_rate(f):
         ok = _close(got, want)
         hint = known or "amount / seconds is the rate per second; then divide by the unit"
         hint = f"returned {got!r}, expected {want:.7g}: {hint}"
-        if i < len(shown):
-            check(f"rate({amount:,}, {ms}, {unit:g})", ok, hint)
-        elif not ok:
-            check(f"rate({amount:,}, {ms}, {unit:g})", False, hint)
+        _report(i, len(shown), f"rate({amount:,}, {ms}, {unit:g})", ok, hint)
 
 
 # --- 0.4 --------------------------------------------------------------------------------------------------
@@ -156,10 +157,7 @@ def check_ridge_point(f):
     for i, ((tflops, gbps), got, want) in enumerate(zip(cases, gots, wants)):
         ok = _close(got, want)
         hint = f"returned {got!r}, expected {want:.7g}: {known or 'operations per second / bytes per second'}"
-        if i < len(shown):
-            check(f"ridge_point({tflops}, {gbps})", ok, hint)
-        elif not ok:
-            check(f"ridge_point({tflops}, {gbps})", False, hint)
+        _report(i, len(shown), f"ridge_point({tflops}, {gbps})", ok, hint)
 
 
 # --- 0.5 --------------------------------------------------------------------------------------------------

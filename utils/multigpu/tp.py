@@ -532,16 +532,22 @@ def dtensor_llama(model_dir, *, world: int, device, dtype):
     return model
 
 
+def _measure_sharded(model, tokens, logits_file: str, decode: int, out: Path | None) -> dict:
+    """What each rank of a library's tensor parallelism reports: the logits of `tokens` (saved as `out/logits_file`),
+    the collectives of one decode step, and transformers' generate's decode rate."""
+    logits = hf_reference_logits(model, tokens)
+    if out is not None:
+        torch.save(logits, out / logits_file)
+    ids = torch.tensor([tokens], device=model.device)
+    return {"counts": hf_collectives_per_token(model, tokens),
+            "tokens_per_s": models.decode_tokens_per_s(model, ids, decode, warmup=1)}
+
+
 def run_dtensor(model_dir, tokens, *, rank, world, device, dtype, decode, out: Path | None) -> dict:
     """PyTorch's parallelize_module (DTensor) on this rank: logits of `tokens` (saved), the collectives of one
     decode step, and transformers' generate's decode rate, as for `run_hf_tp`."""
     model = dtensor_llama(model_dir, world=world, device=device, dtype=dtype)
-    logits = hf_reference_logits(model, tokens)
-    if out is not None:
-        torch.save(logits, out / f"dtensor-rank{rank}.pt")
-    ids = torch.tensor([tokens], device=model.device)
-    result = {"counts": hf_collectives_per_token(model, tokens),
-              "tokens_per_s": models.decode_tokens_per_s(model, ids, decode, warmup=1)}
+    result = _measure_sharded(model, tokens, f"dtensor-rank{rank}.pt", decode, out)
     del model
     free(device)
     return result
@@ -554,12 +560,7 @@ def run_hf_tp(model_dir, tokens, *, rank, device, dtype, decode, out: Path | Non
 
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=dtype).eval()
-    logits = hf_reference_logits(model, tokens)
-    if out is not None:
-        torch.save(logits, out / f"hf-rank{rank}.pt")
-    ids = torch.tensor([tokens], device=model.device)
-    result = {"counts": hf_collectives_per_token(model, tokens),
-              "tokens_per_s": models.decode_tokens_per_s(model, ids, decode, warmup=1)}
+    result = _measure_sharded(model, tokens, f"hf-rank{rank}.pt", decode, out)
     del model
     free(device)
     return result

@@ -5,7 +5,7 @@ import pytest
 
 from utils import device as devices
 from utils import plots, record
-from utils.machinery import report
+from utils.machinery import executed, report
 
 
 @pytest.fixture
@@ -371,3 +371,13 @@ def test_nvml_is_read_through_nvidia_ml_py_and_initialised_once(monkeypatch):
                                "power_limit_w": 700.0, "slowdown": ["power cap"], "utilization_pct": 97,
                                "pids": [4242]}
     assert calls == ["init"]
+
+
+def test_a_copy_without_git_names_the_commit_it_was_sent_as(monkeypatch):
+    """The GPU machine gets the working tree without .git: the record and the executed copies take the commit from
+    $COURSE_COMMIT, and say "unknown" (None), not "clean", for uncommitted changes git cannot see."""
+    monkeypatch.setattr(executed, "git", lambda *args: None)
+    monkeypatch.setenv("COURSE_COMMIT", "0123abc")
+    assert executed.commit() == "0123abc" and executed.uncommitted_changes() is None
+    monkeypatch.delenv("COURSE_COMMIT")
+    assert executed.commit() is None

@@ -15,6 +15,7 @@ import argparse
 import datetime as _dt
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,18 @@ def git(*args: str) -> str | None:
                               timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def commit() -> str | None:
+    """The commit a run came from: $COURSE_COMMIT where the checkout has no .git (the GPU machine gets a copy of
+    the working tree; .ci/gpu-reference's caller names the commit it sent), else git's HEAD."""
+    return os.environ.get("COURSE_COMMIT") or git("rev-parse", "HEAD")
+
+
+def uncommitted_changes() -> bool | None:
+    """Whether solutions/ or utils/ differ from the commit; None where git cannot tell (no .git)."""
+    status = git("status", "--porcelain", "--", "solutions", "utils")
+    return None if status is None else bool(status)
 
 
 def _strip(output, limits: dict) -> object:
@@ -88,8 +101,8 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
     nb.metadata[KEY] = {
         "solution": f"solutions/{solution.name}",
         "solution_sha256": source_hash(nbformat.read(solution, as_version=4)),
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(git("status", "--porcelain", "--", "solutions", "utils")),
+        "commit": commit(),
+        "uncommitted_changes": uncommitted_changes(),
         "device": device or (results.get("device") or {}).get("name"),
         "software": results.get("software") or software_stack(),
         "run_id": results.get("run_id"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 
 import markdown
@@ -21,7 +20,7 @@ from utils.base import state
 from utils.base.paths import build_dir
 from utils.device import spec
 from utils.machine import summary
-from utils.machinery.executed import describe, git
+from utils.machinery.executed import commit, describe
 from utils.record import load_reference, load_results, reference_metrics
 
 # GPUs whose published peaks every report shows next to the learner's own device.
@@ -306,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         results, left = finished_results(load_results(), load_status())
         for lab, why in left.items():
             print(f"{lab}: left out of the reference ({why})")
-        data = make_reference(results, commit=os.environ.get("COURSE_COMMIT") or git("rev-parse", "HEAD"))
+        data = make_reference(results, commit=commit())
         for lab, entry in data["labs"].items():
             for key, why in entry.get("unreliable", {}).items():
                 print(f"{lab}: {key} left out of the reference (unreliable: {why})")

@@ -76,11 +76,15 @@ test: $(STAMP) dirs ## unit tests, every notebook executed once, labs checked, n
 # says which test files are in which part; README, "GPU tests"): PART=kernels runs one, no PART all in turn
 # (every part runs; the exit status is non-zero if any failed).
 GPU_PARTS := kernels warps matmul attention models
+# matmul's eight full-grid tests each compile and autotune their own kernels: eight workers share them (CPU-bound
+# compiles on the GPU machine's cores; the cases are correctness checks, so running them side by side is fair).
+GPU_WORKERS := matmul=8
 test-gpu: $(STAMP) dirs ## the full kernel grids and GPU-only tests (needs a GPU; PART=kernels|warps|matmul|attention|models)
 	@status=0; for part in $(or $(PART),$(GPU_PARTS)); do \
 	  echo "make test-gpu: part $$part"; \
+	  workers=$$(for w in $(GPU_WORKERS); do [ "$${w%%=*}" = $$part ] && echo "-n $${w#*=} --dist load"; done); \
 	  COURSE_BUILD_DIR=$(CURDIR)/build/test $(PY) -m pytest -m gpu -p no:cacheprovider -rs --durations=25 \
-	    --gpu-part $$part tests || status=1; \
+	    $$workers --gpu-part $$part tests || status=1; \
 	done; exit $$status
 
 labs: $(STAMP) ## regenerate labs/ from solutions/ (never touches your work/)

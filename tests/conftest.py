@@ -43,9 +43,10 @@ def xdist_scope_of(nodeid: str) -> str:
 # `make test-gpu` runs them. Every file with gpu tests belongs to one part: with --gpu-part, collection stops
 # with a usage error naming a file that is in none.
 GPU_PARTS = {
-    "kernels": ("test_lab01.py", "test_occupancy.py"),      # lab 01's hand-written kernels (memcheck too), Triton's
+    "kernels": ("test_lab01.py", "test_occupancy.py", "test_timing.py"),   # lab 01's hand-written kernels (memcheck
+                                                            # too), Triton's; the timer against do_bench
     "warps": ("test_lab02.py",),                            # lab 02's hand-written kernels (memcheck too)
-    "matmul": ("test_lab03.py", "test_timing.py"),
+    "matmul": ("test_lab03.py",),                           # in 8 workers (the Makefile's GPU_WORKERS)
     "attention": ("test_lab04.py",),
     "models": ("test_decode.py", "test_lab06.py", "test_lab07.py"),
 }

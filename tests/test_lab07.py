@@ -179,6 +179,29 @@ def test_batches_are_left_padded_with_generates_positions():
         dv.ids_batch(torch.zeros(1, 0, dtype=torch.long))
 
 
+def word_tokenizer(**special):
+    """A whitespace word-level tokenizer over a few words, with only the special tokens given."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "[UNK]", "the", "sea", "and", "sky", "at", "night"]
+    tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", **special)
+
+
+def test_a_tokenizer_without_a_padding_token_pads_with_its_end_token():
+    """SmolLM2's tokenizer as transformers 5.17 reads it from the GGUF has no padding token (lab 07 failed on the
+    H100 so): the batch pads with the end-of-text token for that call and leaves the tokenizer as it was."""
+    tokenizer = word_tokenizer(eos_token="<eos>")
+    assert tokenizer.pad_token is None
+    batch = dv.prompt_batch(tokenizer, ["the sea and the sky", "at night"], chat=False)
+    assert batch["input_ids"].tolist()[1] == [0, 0, 0, 6, 7] and batch["attention_mask"].tolist()[1] == [0, 0, 0, 1, 1]
+    assert tokenizer.pad_token is None and tokenizer.padding_side == "right"
+    with pytest.raises(ValueError, match="neither a padding token nor an end-of-text token"):
+        dv.prompt_batch(word_tokenizer(), ["the sea"], chat=False)
+
+
 def test_the_reference_must_be_cpu_float32(tiny):
     model, captured, _ = tiny
     with pytest.raises(ValueError, match="float32 on the CPU"):

@@ -60,12 +60,18 @@ def prompt_batch(tokenizer, prompts: list[str], *, chat: bool = True) -> dict:
         raise ValueError("prompts must be a non-empty list of non-empty strings")
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) if chat else p for p in prompts]
-    side = tokenizer.padding_side
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    if pad is None and tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has neither a padding token nor an end-of-text token to pad with")
     tokenizer.padding_side = "left"
+    if pad is None:     # e.g. SmolLM2's tokenizer as transformers 5.17 reads it from GGUF: the mask hides the padding,
+        tokenizer.pad_token = tokenizer.eos_token          # so any real token's id will do, for this call only
     try:
         enc = tokenizer(texts, return_tensors="pt", padding=True)
     finally:
         tokenizer.padding_side = side
+        if pad is None:
+            tokenizer.pad_token = None
     return ids_batch(enc["input_ids"], enc["attention_mask"])
 
 

@@ -379,5 +379,11 @@ def test_a_copy_without_git_names_the_commit_it_was_sent_as(monkeypatch):
     monkeypatch.setattr(executed, "git", lambda *args: None)
     monkeypatch.setenv("COURSE_COMMIT", "0123abc")
     assert executed.commit() == "0123abc" and executed.uncommitted_changes() is None
+    # a repository of the machine's own around the copy: its status says nothing about the named commit
+    monkeypatch.setattr(executed, "git", lambda *args: "ffff999" if args[0] == "rev-parse" else " M utils/x.py")
+    assert executed.commit() == "0123abc" and executed.uncommitted_changes() is None
+    monkeypatch.setenv("COURSE_COMMIT", "ffff999")
+    assert executed.uncommitted_changes() is True
     monkeypatch.delenv("COURSE_COMMIT")
+    monkeypatch.setattr(executed, "git", lambda *args: None)
     assert executed.commit() is None

@@ -59,7 +59,11 @@ def commit() -> str | None:
 
 
 def uncommitted_changes() -> bool | None:
-    """Whether solutions/ or utils/ differ from the commit; None where git cannot tell (no .git)."""
+    """Whether solutions/ or utils/ differ from the commit; None where git cannot tell: no .git, or a $COURSE_COMMIT
+    that is not git's HEAD here (the GPU machine's copy of the tree can sit in a repository of its own)."""
+    named = os.environ.get("COURSE_COMMIT")
+    if named and git("rev-parse", "HEAD") != named:
+        return None
     status = git("status", "--porcelain", "--", "solutions", "utils")
     return None if status is None else bool(status)
 

@@ -191,8 +191,9 @@ def word_tokenizer(**special):
 
 
 def test_a_tokenizer_without_a_padding_token_pads_with_its_end_token():
-    """SmolLM2's tokenizer as transformers 5.17 reads it from the GGUF has no padding token (lab 07 failed on the
-    H100 so): the batch pads with the end-of-text token for that call and leaves the tokenizer as it was."""
+    """Lab 07's tokenizer (trained by the course, saved with a padding token) came back without one from
+    transformers 5.17 on the H100, and the lab failed there: the batch pads with the end-of-text token for that
+    call and leaves the tokenizer as it was."""
     tokenizer = word_tokenizer(eos_token="<eos>")
     assert tokenizer.pad_token is None
     batch = dv.prompt_batch(tokenizer, ["the sea and the sky", "at night"], chat=False)

@@ -64,8 +64,8 @@ def prompt_batch(tokenizer, prompts: list[str], *, chat: bool = True) -> dict:
     if pad is None and tokenizer.eos_token is None:
         raise ValueError("the tokenizer has neither a padding token nor an end-of-text token to pad with")
     tokenizer.padding_side = "left"
-    if pad is None:     # e.g. SmolLM2's tokenizer as transformers 5.17 reads it from GGUF: the mask hides the padding,
-        tokenizer.pad_token = tokenizer.eos_token          # so any real token's id will do, for this call only
+    if pad is None:     # lab 07's own tokenizer as transformers 5.17 loaded it on the H100: the mask hides the
+        tokenizer.pad_token = tokenizer.eos_token          # padding, so any real token's id will do, for this call only
     try:
         enc = tokenizer(texts, return_tensors="pt", padding=True)
     finally:

@@ -61,11 +61,11 @@ def prompt_batch(tokenizer, prompts: list[str], *, chat: bool = True) -> dict:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) if chat else p for p in prompts]
     side, pad = tokenizer.padding_side, tokenizer.pad_token
-    if pad is None and tokenizer.eos_token is None:
-        raise ValueError("the tokenizer has neither a padding token nor an end-of-text token to pad with")
-    tokenizer.padding_side = "left"
     if pad is None:     # lab 07's own tokenizer as transformers 5.17 loaded it on the H100: the mask hides the
-        tokenizer.pad_token = tokenizer.eos_token          # padding, so any real token's id will do, for this call only
+        if tokenizer.eos_token is None:                    # padding, so any real token's id will do, for this call only
+            raise ValueError("the tokenizer has neither a padding token nor an end-of-text token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
     try:
         enc = tokenizer(texts, return_tensors="pt", padding=True)
     finally:

@@ -19,7 +19,7 @@ from conftest import DATA
 from grading import errors, run_lab_with, stream_text
 from utils import solutions
 from utils.base import processes
-from utils.multigpu import collectives, launch, topology, tp
+from utils.multigpu import attribution, collectives, comm, launch, topology, tp
 from utils.exercises import ExerciseFailed
 from utils.graders import lab06 as graders
 
@@ -194,8 +194,8 @@ class ThreadRanks:
         self.barrier.wait(timeout=60)
         return out
 
-    def logits(self, model_dir, tokens, dtype=torch.float32):
-        models = [tp.TPLlama(model_dir, rank=r, world=self.world, comm=self.comm(r), dtype=dtype, max_len=32)
+    def logits(self, model_dir, tokens, dtype=torch.float32, **kw):
+        models = [tp.TPLlama(model_dir, rank=r, world=self.world, comm=self.comm(r), dtype=dtype, max_len=32, **kw)
                   for r in range(self.world)]
         out = [None] * self.world
 
@@ -233,6 +233,22 @@ def test_split_matches_transformers_in_fp32(tiny, world):
         tp.teacher_forced_logits(m, m.decode_step, TOKENS) for m in [tp.TPLlama(folder, max_len=32)]]
     assert all(torch.equal(x, logits[0]) for x in logits)          # every rank has the same logits
     assert tp.compare(logits[0], reference) <= tp.tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("batch, fuse", [(3, True), (2, False)])
+def test_a_batch_and_separate_products_give_the_same_logits(tiny, batch, fuse):
+    folder, reference = tiny[torch.float32]
+    logits = ThreadRanks(2).logits(folder, TOKENS, batch=batch, fuse=fuse)
+    assert tp.compare(logits[1], reference) <= tp.tolerance(torch.float32)
+    model = tp.TPLlama(folder, max_len=32)
+    model.set_batch(batch)                              # new caches and buffers, the same weights
+    assert model.layers[0].k_cache.shape[0] == batch and model.logits.shape[0] == batch
+    step = lambda: model.decode_step()                  # noqa: E731
+    assert tp.compare(tp.teacher_forced_logits(model, step, TOKENS), reference) <= tp.tolerance(torch.float32)
+    rate = tp.decode_rate(model, step, 3, start=len(TOKENS), rounds=3, warmup=1)
+    assert rate["tokens_per_s"] == pytest.approx(batch * 1e3 / rate["step_ms"]) and len(rate["samples_ms"]) == 3
+    with pytest.raises(ValueError, match="batch=0"):
+        model.set_batch(0)
 
 
 def test_split_matches_transformers_in_bf16(tiny):
@@ -308,10 +324,89 @@ def test_dtensor_plans_are_the_split_by_hand(tiny):
 
 
 def test_profiler_names_of_collectives():
-    assert tp.collective_name("nccl:all_reduce") == "all_reduce"
-    assert tp.collective_name("gloo:all_gather") == "all_gather"
-    assert tp.collective_name("nccl:_reduce_scatter_base") == "reduce_scatter"
-    assert tp.collective_name("aten::mm") is None
+    assert attribution.collective_name("nccl:all_reduce") == "all_reduce"
+    assert attribution.collective_name("gloo:all_gather") == "all_gather"
+    assert attribution.collective_name("nccl:_reduce_scatter_base") == "reduce_scatter"
+    assert attribution.collective_name("course::one_shot_all_reduce") == "all_reduce"
+    assert attribution.collective_name("aten::mm") is None
+    assert attribution.collective_kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") \
+        == "all_reduce"
+    assert attribution.collective_kernel("ncclDevKernel_AllGather_RING_LL(x)") == "all_gather"
+    assert attribution.collective_kernel(
+        "void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(c10::BFloat16**, ...)") == "all_reduce"
+    # torch.compile names its kernels after what they fuse: an add fed by the all-reduce is compute, not communication
+    assert attribution.collective_kernel("triton_red_fused_mm_one_shot_all_reduce_t_view_5") is None
+    assert attribution.collective_kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") is None
+
+
+class Event:
+    """A row of torch.profiler's key_averages(), with the fields attribution.split reads."""
+
+    def __init__(self, key, count, device, *, annotation=False, device_us=0.0, cpu_us=0.0):
+        from torch.autograd import DeviceType
+
+        self.key, self.count, self.is_user_annotation = key, count, annotation
+        self.device_type = DeviceType.CPU if device == "cpu" else DeviceType.CUDA
+        self.self_device_time_total, self.cpu_time_total = device_us, cpu_us
+
+
+def eager_events(steps, layers=32):
+    """What torch.profiler recorded for `steps` eager steps of the split on a GPU: each collective as a host operation
+    AND as a GPU user annotation of the same name (the shape that once counted 128 all-reduces for 64), besides its
+    NCCL kernel."""
+    ar, ag = 2 * layers * steps, steps
+    return [Event("nccl:all_reduce", ar, "cpu", cpu_us=40.0 * ar), Event("nccl:all_gather", ag, "cpu"),
+            Event("nccl:all_reduce", ar, "cuda", annotation=True, device_us=9.0 * ar),
+            Event("nccl:all_gather", ag, "cuda", annotation=True, device_us=12.0 * ag),
+            Event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)", ar, "cuda", device_us=7.0 * ar),
+            Event("ncclDevKernel_AllGather_RING_LL(x)", ag, "cuda", device_us=10.0 * ag),
+            Event("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 4 * layers * steps, "cuda", device_us=20.0 * layers * steps),
+            Event("triton_red_fused_add_one_shot_all_reduce_3", layers * steps, "cuda", device_us=2.0 * layers * steps),
+            Event("aten::mm", 4 * layers * steps, "cpu", cpu_us=5.0)]
+
+
+def test_a_collective_is_counted_once_though_the_profiler_records_it_twice():
+    steps = 4
+    out = attribution.split(eager_events(steps), steps, wall_s=steps * 5e-3, gpu=True)
+    assert out["counts"] == {"all_reduce": 64, "all_gather": 1}               # not 128 / 2
+    assert out["kernel_counts"] == {"all_reduce": 64, "all_gather": 1}
+    assert out["comm_ms"] == pytest.approx((64 * 7 + 10) / 1e3)              # kernels only, never the annotations
+    assert out["compute_ms"] == pytest.approx((32 * 20 + 32 * 2) / 1e3)
+    assert out["compute_by_kind"]["matrix products"] == pytest.approx(32 * 20 / 1e3)
+    assert out["kernels"] == 64 + 1 + 128 + 32
+    assert out["idle_ms"] == pytest.approx(5.0 - out["comm_ms"] - out["compute_ms"])
+    # a replayed graph launches no host operation: its collectives are its kernels
+    graph = [e for e in eager_events(steps) if e.device_type != Event("x", 1, "cpu").device_type
+             and not e.is_user_annotation]
+    out = attribution.split(graph, steps, wall_s=steps * 4e-3, gpu=True, step_ms=3.5)
+    assert out["counts"] == {} and out["kernel_counts"] == {"all_reduce": 64, "all_gather": 1}
+    assert out["wall_ms"] == 3.5
+    # gloo on a CPU: host operations only, their time is the communication
+    cpu = [Event("gloo:all_reduce", 8, "cpu", cpu_us=800.0), Event("gloo:all_gather", 2, "cpu", cpu_us=100.0)]
+    out = attribution.split(cpu, 2, wall_s=2e-3, gpu=False)
+    assert out["counts"] == {"all_reduce": 4, "all_gather": 1} and out["comm_ms"] == pytest.approx(0.45)
+    assert out["compute_ms"] == pytest.approx(0.55)
+
+
+def test_variants_presets_and_ranks():
+    v = tp.Variant.parse("graph+symm+tuned")
+    assert (v.mode, v.fuse, v.comm, v.tune, v.name) == ("graph", True, "symm", True, "graph+symm+tuned")
+    assert tp.Variant.parse("graph+tuned+symm").name == "graph+symm+tuned"
+    assert tp.Variant.parse("eager+unfused").fuse is False
+    for bad, words in (("fast", "mode must be one of"), ("graph+turbo", "unknown"), ("eager+tuned", "graph mode only")):
+        with pytest.raises(ValueError, match=words):
+            tp.Variant.parse(bad)
+    assert all(tp.Variant.parse(v).name == v for preset in tp.PRESETS.values() for v in preset)
+    assert tp.one_gpu_variants(tp.PRESETS["ladder"]) == ["eager", "graph", "graph+tuned"]
+    cfg = tp.model_config("llama-3.1-8b")
+    assert [tp.ranks_for(cfg, n)[0] for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 2, 4, 4, 8]
+    assert tp.ranks_for(cfg, 4)[1] is None and "num_key_value_heads=8" in tp.ranks_for(cfg, 3)[1]
+
+
+def test_symmetric_memory_says_why_it_cannot_run_here():
+    assert "needs GPUs" in comm.symm_skip_reason("cpu")
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        comm.SymmMemCollectives(object(), numel=8, dtype=torch.float32, device="cpu")
 
 
 # --- the launcher -----------------------------------------------------------------------------------------
@@ -355,6 +450,15 @@ def scripts(tmp_path):
         time.sleep(600)
     """))
     return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_failing_variant_keeps_what_was_measured_before_it(tiny, build_dir):
+    folder, _ = tiny[torch.float32]
+    res, run, failed = tp.launch_split(folder, TOKENS, nproc=2, decode=2, variants=["eager", "eager+warp"],
+                                       timeout=120, name="test-partial")
+    assert isinstance(failed, launch.RankFailed) and "unknown ['warp']" in str(failed)
+    assert res["partial"] and res["hand"]["batches"]["1"]["eager"]["tokens_per_s"] > 0
+    nothing_left(run)
 
 
 def test_a_failing_rank_ends_the_group_and_shows_its_traceback(build_dir):
@@ -664,15 +768,42 @@ def test_parallelize_module_matches_the_split_by_hand_on_gpus(tiny, build_dir):
         pytest.skip("needs 2 GPUs")
     folder, reference = tiny[torch.bfloat16]
     run = launch.torchrun("utils.multigpu.tp", ["--model", folder, "--tokens", ",".join(map(str, TOKENS)),
-                                                "--decode", 8, "--modes", "eager", "--dtensor"],
+                                                "--decode", 8, "--variants", "eager", "--dtensor"],
                           nproc=2, timeout=600, name="test-dtensor")
     res = run.result()
     assert "error" not in res["dtensor"], res["dtensor"]
     for r in range(2):
-        hand = torch.load(run.out_dir / f"hand-eager-rank{r}.pt")
+        hand = torch.load(run.out_dir / f"hand-eager-b1-rank{r}.pt")
         dt = torch.load(run.out_dir / f"dtensor-rank{r}.pt")
         assert tp.compare(dt, reference) <= tp.tolerance(torch.bfloat16)
         assert tp.compare(dt, hand) <= tp.tolerance(torch.bfloat16)
     assert res["dtensor"]["counts"] == {"all_reduce": 4, "all_gather": 1}
     assert res["dtensor"]["tokens_per_s"] > 0
+    nothing_left(run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_variant_of_the_split_on_gpus(tiny, build_dir, world):
+    """2 and 4 GPUs: every variant of the hand-written split (eager; compiled in one graph; separate products; the
+    one-shot all-reduce over symmetric memory; tuned), at batch 1 and 4: every rank's logits within tolerance of
+    transformers', and 2 x layers all-reduce kernels and one all-gather per step (host operations too, eager)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs; this machine has {torch.cuda.device_count()}")
+    folder, reference = tiny[torch.bfloat16]
+    res, run, failed = tp.launch_split(folder, TOKENS, nproc=world, decode=8, variants=tp.PRESETS["all"], large_batch=4,
+                                       large_variants=tp.LARGE_VARIANTS, timeout=600, variant_timeout=300,
+                                       name=f"test-variants-{world}")
+    assert failed is None, failed
+    want = {"all_reduce": 2 * tp.TINY["num_hidden_layers"], "all_gather": 1}
+    assert set(res["hand"]["batches"]) == {"1", "4"}
+    for batch, entries in res["hand"]["batches"].items():
+        for name, entry in entries.items():
+            assert "tokens_per_s" in entry, (batch, name, entry)
+            for r in range(world):
+                logits = torch.load(run.out_dir / f"hand-{name}-b{batch}-rank{r}.pt")
+                assert tp.compare(logits, reference) <= tp.tolerance(torch.bfloat16), (batch, name, r)
+            assert entry["profile"]["kernel_counts"] == want, (batch, name, entry["profile"])
+            if name.startswith("eager"):
+                assert entry["profile"]["counts"] == want
     nothing_left(run)

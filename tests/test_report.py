@@ -387,3 +387,171 @@ def test_a_copy_without_git_names_the_commit_it_was_sent_as(monkeypatch):
     monkeypatch.delenv("COURSE_COMMIT")
     monkeypatch.setattr(executed, "git", lambda *args: None)
     assert executed.commit() is None
+
+
+# --- how many GPUs ran a lab: the sidecar's count, the record it is set beside, the records and copies that name it ---
+
+LINK = "GPU0-GPU1 NV18"
+
+
+def _write_record(folder, stem, device, gpus=None, value=100.0, labs=("06_multi_gpu",)):
+    """A format-2 reference record in `folder`: each of `labs` with one figure, allreduce bus bandwidth at 256 MiB."""
+    data = {"format": 2, "device": device, "arch": "sm_90", **({"gpus": gpus} if gpus else {}), "labs": {
+        lab: {"date": "2026-11-27", "commit": "feedc0ffee", "software": {"torch": "2.11"}, "metrics": {
+            "allreduce_busbw": {"value": value, "unit": "GB/s", "size": "bytes=268435456", "label": "all-reduce"}}}
+        for lab in labs}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(data))
+
+
+def _lab06(h100, gpus, value=100.0):
+    rec = record.start("06_multi_gpu", h100)
+    if gpus > 1:
+        rec.ran_on(gpus, topology=LINK)
+    rec.metric("allreduce_busbw", value, "GB/s", label="all-reduce", size={"bytes": 1 << 28})
+    return rec
+
+
+@pytest.fixture
+def refs(tmp_path, monkeypatch):
+    """An empty reference folder of the test's own (utils/reference/ as record.REFERENCE_DIR)."""
+    folder = tmp_path / "reference"
+    folder.mkdir()
+    monkeypatch.setattr(record, "REFERENCE_DIR", folder)
+    return folder
+
+
+def _section(md, lab):
+    return md.split(f"## {lab}\n")[1].split("\n## ")[0].lstrip()
+
+
+def test_a_sidecar_says_how_many_gpus_its_lab_used(build_dir, h100):
+    rec = record.start("06_multi_gpu", h100)
+    path = build_dir / "results" / "06_multi_gpu.json"
+    assert json.loads(path.read_text())["gpus"] == 1
+    rec.ran_on(2, topology=LINK)                     # saved at once, like everything else
+    saved = json.loads(path.read_text())
+    assert saved["gpus"] == 2 and saved["topology"] == LINK and record.gpus_of(saved) == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="whole number of GPUs"):
+            rec.ran_on(bad)
+    cpu = record.start("06_multi_gpu", devices.cpu_info())
+    cpu.ran_on(2)                                    # two gloo ranks on a CPU: processes, not GPUs
+    assert json.loads(path.read_text())["gpus"] == 0
+    assert record.gpus_of({"device": {"name": h100.name, "backend": "cuda"}}) == 1      # a sidecar from before
+    assert record.gpus_of({"device": {"name": "x86_64", "backend": "cpu"}}) == 0
+    assert record.device_label(h100.name, 2) == f"2x {h100.name}" and record.device_label(h100.name, 1) == h100.name
+
+
+def test_find_reference_prefers_the_same_gpu_at_the_same_count(refs, h100):
+    _write_record(refs, "h100", h100.name, labs=("01_vector_add", "06_multi_gpu"))
+    (refs / "h100_attention_profile.json").write_text(json.dumps({"what": "a profile", "device": h100.name}))
+    found, stem, note = record.find_reference(h100.name, 1)
+    assert (stem, note) == ("h100", None) and "gpus" not in found         # a record without "gpus" is of one GPU
+    assert record.find_reference(None, 0)[1:] == ("h100", None)            # a CPU: the course's record, no note
+    assert record.find_reference("AMD EPYC 9654", 0)[1:] == ("h100", None)
+    _, stem, note = record.find_reference(h100.name, 2)
+    assert stem == "h100" and note == f"no 2-GPU record of {h100.name}: compared with the course's 1-GPU record " \
+                                      f"({refs / 'h100.json'})"
+    _write_record(refs, "h100x2", h100.name, gpus=2, value=300.0)
+    found, stem, note = record.find_reference(h100.name, 2)
+    assert stem == "h100x2" and note is None and found["gpus"] == 2
+    _, stem, note = record.find_reference(h100.name, 4)
+    assert stem == "h100x2" and note == f"no 4-GPU record of {h100.name}: compared with the course's 2-GPU record " \
+                                        f"({refs / 'h100x2.json'})"
+    assert record.find_reference(h100.name, 4, lab="01_vector_add")[1] == "h100"   # h100x2 holds lab 06 alone
+    _, stem, note = record.find_reference("AMD Instinct MI300X", 2)
+    assert stem == "h100" and f"course's 1-GPU record of {h100.name}" in note
+    (refs / "h200x2.json").write_text('{"format": 2, "dev')
+    from utils.base import state
+    with pytest.raises(state.CorruptStateError, match="h200x2.json is corrupt"):
+        record.find_reference(h100.name, 2)
+
+
+def test_a_two_gpu_run_of_lab_06_is_set_beside_the_two_gpu_record(build_dir, h100, refs):
+    _write_record(refs, "h100", h100.name, value=100.0, labs=("01_vector_add", "06_multi_gpu"))
+    _write_record(refs, "h100x2", h100.name, gpus=2, value=300.0)
+    _lab06(h100, 2, value=290.0)
+    record.start("01_vector_add", h100).metric("allreduce_busbw", 95.0, "GB/s", label="all-reduce",
+                                               size={"bytes": 1 << 28})
+    md = report.build_report().read_text()
+    lab06 = _section(md, "06_multi_gpu")
+    assert f"| figure | size | yours | 2x {h100.name} ({refs / 'h100x2.json'}) | verdict |" in lab06
+    assert f"**Reference:** 2x {h100.name} ({refs / 'h100x2.json'}), run of 2026-11-27" in lab06
+    assert f"on 2 GPUs ({LINK})" in lab06 and "*Reference: no" not in lab06
+    assert "| 290 GB/s | 300 GB/s | as expected (0.97x the reference) |" in lab06
+    lab01 = _section(md, "01_vector_add")        # a one-GPU lab of the same run: the one-GPU record, as before
+    assert f"| figure | size | yours | {h100.name} ({refs / 'h100.json'}) | verdict |" in lab01
+    assert "as expected (0.95x the reference)" in lab01
+    assert f"06_multi_gpu beside 2x {h100.name}" in md.split("## Labs")[0]
+
+
+def test_a_two_gpu_run_without_a_two_gpu_record_falls_back_with_a_note(build_dir, h100, refs):
+    _write_record(refs, "h100", h100.name, value=100.0)
+    _lab06(h100, 2, value=290.0)
+    lab06 = _section(report.build_report().read_text(), "06_multi_gpu")
+    assert lab06.startswith(f"*Reference: no 2-GPU record of {h100.name}: compared with the course's 1-GPU record "
+                            f"({refs / 'h100.json'}).*")
+    assert f"| yours | {h100.name} ({refs / 'h100.json'}) |" in lab06
+    row = next(line for line in lab06.splitlines() if line.startswith("| all-reduce"))
+    assert "100 GB/s" in row and "no reference at this size or device to judge by" in row   # not 2.9x "suspicious"
+
+
+def test_a_four_gpu_run_with_only_a_two_gpu_record_names_what_it_used(build_dir, h100, refs):
+    _write_record(refs, "h100", h100.name, value=100.0)
+    _write_record(refs, "h100x2", h100.name, gpus=2, value=300.0)
+    _lab06(h100, 4, value=500.0)
+    lab06 = _section(report.build_report().read_text(), "06_multi_gpu")
+    assert lab06.startswith(f"*Reference: no 4-GPU record of {h100.name}: compared with the course's 2-GPU record "
+                            f"({refs / 'h100x2.json'}).*")
+    assert f"| yours | 2x {h100.name} ({refs / 'h100x2.json'}) |" in lab06 and "on 4 GPUs" in lab06
+    assert "**suspicious**" not in lab06
+
+
+def test_a_reference_record_holds_one_gpu_count(build_dir, h100, capsys):
+    _lab06(h100, 2)
+    two = report.make_reference(record.load_results(), commit="c2")
+    assert two["gpus"] == 2 and two["topology"] == LINK and two["labs"]["06_multi_gpu"]["topology"] == LINK
+    record.start("01_vector_add", h100).metric("add_gbps", 3000.0, "GB/s", label="add", size="n=1")
+    with pytest.raises(ValueError, match=r"different numbers of GPUs \(1 GPU: 01_vector_add; 2 GPUs: 06_multi_gpu\)"):
+        report.make_reference(record.load_results())
+    (build_dir / "results" / "01_vector_add.json").unlink()
+    _lab06(h100, 1)
+    one = report.make_reference(record.load_results(), commit="c1")
+    assert one["gpus"] == 1 and "topology" not in one
+    with pytest.raises(ValueError, match="cannot merge a 2-GPU run into a 1-GPU reference"):
+        report.merge_reference(one, two)
+    legacy = {k: v for k, v in one.items() if k != "gpus"}          # h100.json as committed: no "gpus", one GPU
+    assert report.merge_reference(legacy, one)["gpus"] == 1
+    with pytest.raises(ValueError, match="cannot merge a 1-GPU run into a 2-GPU reference"):
+        report.merge_reference(two, one)
+    (build_dir / "status.json").write_text(json.dumps({"run": {"id": None, "state": "finished"}, "labs": {
+        "06_multi_gpu": {"status": "ok", "run_id": None}}}))
+    out = build_dir / "h100x2.json"
+    assert report.main(["reference", str(out), "--gpus", "2"]) == 2 and not out.exists()
+    assert "is a record of 2 GPUs, but this run's labs used 1" in capsys.readouterr().err
+
+
+def test_an_executed_copy_of_a_two_gpu_run_is_stamped_with_its_gpus(tmp_path, h100):
+    import nbformat
+
+    from utils.machinery import site
+
+    sol = tmp_path / "solutions" / "06_multi_gpu.ipynb"
+    sol.parent.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# lab 06"), nbformat.v4.new_code_cell("1")])
+    nbformat.write(nb, sol)
+    run = tmp_path / "build" / "executed" / sol.name
+    run.parent.mkdir(parents=True)
+    nbformat.write(nb, run)
+    sidecar = tmp_path / "build" / "results" / "06_multi_gpu.json"
+    sidecar.parent.mkdir()
+    sidecar.write_text(json.dumps({"device": {"name": h100.name, "backend": "cuda"}, "gpus": 2, "topology": LINK,
+                                   "software": {"torch": "2.11"}, "run_id": "r2"}))
+    stamp = nbformat.read(executed.make_copy(run, tmp_path / "out", solution=sol), as_version=4).metadata[executed.KEY]
+    assert stamp["device"] == f"2x {h100.name}" and stamp["gpus"] == 2
+    assert f"Executed on 2x {h100.name}" in site.provenance("06_multi_gpu", stamp, None)
+    assert f"06_multi_gpu.ipynb` (2x {h100.name}, commit" in executed.describe(tmp_path / "out", sol.parent)[0]
+    sidecar.write_text(json.dumps({"device": {"name": h100.name, "backend": "cuda"}, "software": {}}))  # one GPU
+    stamp = nbformat.read(executed.make_copy(run, tmp_path / "out", solution=sol), as_version=4).metadata[executed.KEY]
+    assert stamp["device"] == h100.name and stamp["gpus"] == 1

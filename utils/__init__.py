@@ -22,7 +22,9 @@ The kit (what a lab's notebook imports):
 Lab families:
     llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of
                 transformers serve), loadgen
-    multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), tp (tensor parallelism)
+    multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), comm (how the
+                ranks talk: NCCL/gloo, or a one-shot all-reduce over symmetric memory), tp (tensor parallelism),
+                attribution (where a step's time goes: collectives counted once, compute / communication / idle)
     clinic/     lab 07: doctor, divergence, faults, traces
 
 The graders (the notebooks import them; one module per lab):

@@ -20,8 +20,10 @@ number of samples and their spread (interquartile range / median) and the machin
 - the machine changed under it (`utils.machine.judge`: other processes took the CPU, the GPU's clock fell or it
   slowed itself down, another process used the GPU).
 
-`make run` builds the course report from these files (`utils.machinery.report`); `load_reference()` reads a
-committed GPU reference record (`utils/reference/<gpu>.json`).
+A sidecar also says how many GPUs the lab used (`gpus`: 1 on a GPU, 0 on a CPU; a lab that used several says so
+with `rec.ran_on(2, topology="GPU0-GPU1 NV18")`). `make run` builds the course report from these files
+(`utils.machinery.report`); `load_reference()` reads a committed reference record (`utils/reference/<name>.json`:
+`h100.json` of one GPU, `h100x2.json` of two), and `find_reference()` picks the one a lab's figures are set beside.
 """
 from __future__ import annotations
 
@@ -35,15 +37,17 @@ from pathlib import Path
 
 from utils import backend, machine
 from utils.base import state
-from utils.base.paths import REFERENCE_DIR, build_dir, results_dir
+from utils.base.paths import REFERENCE_DIR, REPO_ROOT, build_dir, results_dir
 from utils.stack import software_stack
 
 __all__ = ["Recorder", "start", "size_text", "enough", "not_far_below", "percentile_needs", "load_results",
-           "load_reference", "build_dir", "results_dir", "MIN_SAMPLES", "MAX_SPREAD"]
+           "load_reference", "find_reference", "gpus_of", "record_gpus", "device_label", "build_dir", "results_dir",
+           "MIN_SAMPLES", "MAX_SPREAD"]
 _KEY = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 MIN_SAMPLES = 3        # repetitions (or interleaved rounds, or requests) a figure needs at least
 MAX_SPREAD = 0.25      # IQR / median above this: the samples disagree too much for one number
 BUSY_LOAD = 1.5        # a load average above this many per core when a lab starts: the report warns
+DEFAULT_REFERENCE = "h100"   # the course's one-GPU record: CPU runs and GPUs without a record of their own
 # Units where more is better / less is better (the report's "slow" and "suspicious" follow the direction).
 HIGHER_IS_BETTER = {"GB/s", "TFLOP/s", "tokens/s", "req/s", "GFLOP/s"}
 LOWER_IS_BETTER = {"ms", "s", "µs", "us"}
@@ -63,6 +67,7 @@ class Recorder:
         self.data = {
             "lab": lab,
             "device": asdict(device) if device is not None else None,
+            "gpus": 1 if self._plat is not None and self._plat.is_gpu else 0,   # rec.ran_on(n): several
             "software": software_stack(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "run_id": os.environ.get("COURSE_RUN_ID"),   # set by `make run`; None in a notebook of one's own
@@ -135,6 +140,18 @@ class Recorder:
     def text(self, key: str) -> str:
         """A recorded figure as a learner should read it: "98.3 GB/s (5% of peak)" or "unreliable: ..."."""
         return describe(self.data["metrics"][key])
+
+    def ran_on(self, gpus: int, topology: str | None = None) -> None:
+        """Say that this lab used `gpus` GPUs (lab 06's ranks, one GPU each), with the link between them as
+        `nvidia-smi topo -m` or amd-smi names it ("GPU0-GPU1 NV18"); the report then sets its figures beside the
+        course's record of that many GPUs. On a CPU the count stays 0: its ranks are processes, not GPUs."""
+        if isinstance(gpus, bool) or not hasattr(gpus, "__index__") or gpus < 1:
+            raise ValueError(f"gpus={gpus!r} must be a whole number of GPUs, at least 1")
+        if self._plat is not None and self._plat.is_gpu:
+            self.data["gpus"] = int(gpus)
+        if topology is not None:
+            self.data["topology"] = str(topology).strip()
+        self._save()
 
     def warn(self, message: str) -> None:
         """A warning about this lab's run that the report must carry (e.g. "this machine is busy")."""
@@ -236,6 +253,75 @@ def load_reference(name: str = "h100") -> dict | None:
     """A committed reference record ({"device", "arch", "labs": {lab: {"metrics": ...}}}); a corrupt one raises
     CorruptStateError naming the file."""
     return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise", shape=dict)
+
+
+def gpus_of(result: dict | None) -> int:
+    """How many GPUs a lab's sidecar says it used: its `gpus`, or for a sidecar from before the field, 1 on a GPU
+    and 0 on a CPU (or with no device)."""
+    gpus = (result or {}).get("gpus")
+    if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0:
+        return gpus
+    device = (result or {}).get("device") or {}
+    return 1 if device and device.get("backend") != "cpu" else 0
+
+
+def record_gpus(reference: dict) -> int:
+    """How many GPUs a reference record's run used: its `gpus`, 1 when absent (the records from before the field)."""
+    gpus = reference.get("gpus", 1)
+    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 1
+
+
+def device_label(name: str | None, gpus: int | None) -> str | None:
+    """A device as the report and the executed copies name it: "2x NVIDIA H100 80GB HBM3" for two, the plain name
+    for one (or none)."""
+    return f"{gpus}x {name}" if name and gpus and gpus > 1 else name
+
+
+def reference_path(stem: str) -> str:
+    """Where a reference record is, as a reader finds it: "utils/reference/h100x2.json"."""
+    path = REFERENCE_DIR / f"{stem}.json"
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def reference_records() -> dict[str, dict]:
+    """Every reference record in REFERENCE_DIR by its file's stem (format 2 only: other JSON files there, such as
+    h100_attention_profile.json, are not records); a file that is not JSON raises as in `load_reference`."""
+    found = {}
+    for path in sorted(REFERENCE_DIR.glob("*.json")):
+        data = state.read_json(path, None, what="reference record", on_corrupt="raise")
+        if isinstance(data, dict) and data.get("format") == 2 and isinstance(data.get("labs"), dict):
+            found[path.stem] = data
+    return found
+
+
+def find_reference(device_name: str | None, gpus: int, *,
+                   lab: str | None = None) -> tuple[dict | None, str, str | None]:
+    """(the reference record a run's figures are set beside, its file's stem such as "h100x2", a note or None).
+
+    The course's record of the same GPU (`device_name`) at the same GPU count; else of the same GPU at the nearest
+    other count; else the course's one-GPU record (h100.json). Each fallback comes with a one-sentence note saying
+    what was used instead. A CPU run (`gpus` 0, or no device name) gets h100.json and no note: CPU figures are
+    judged by fraction of peak. `lab`: only records holding figures of that lab count, besides h100.json (a 2-GPU
+    record may hold lab 06 alone: another lab of the same GPU is not set beside it)."""
+    if not device_name or gpus < 1:
+        return load_reference(DEFAULT_REFERENCE), DEFAULT_REFERENCE, None
+    records = reference_records()
+    same_gpu = {stem: r for stem, r in records.items() if r.get("device") == device_name
+                and (lab is None or lab in r["labs"] or stem == DEFAULT_REFERENCE)}
+    exact = [stem for stem, r in same_gpu.items() if record_gpus(r) == gpus]
+    if exact:
+        return same_gpu[exact[0]], exact[0], None
+    if same_gpu:      # the nearest count; between two as near, the smaller
+        stem = min(same_gpu, key=lambda s: (abs(record_gpus(same_gpu[s]) - gpus), record_gpus(same_gpu[s]), s))
+        used, found = same_gpu[stem], stem
+    else:
+        used, found = records.get(DEFAULT_REFERENCE) or load_reference(DEFAULT_REFERENCE), DEFAULT_REFERENCE
+    missing = f"no {gpus}-GPU record of {device_name}"
+    if used is None:
+        return None, found, f"{missing} and no {reference_path(found)}: nothing to compare with"
+    other = "" if used.get("device") == device_name else f" of {used.get('device')}"
+    return used, found, (f"{missing}: compared with the course's {record_gpus(used)}-GPU record{other} "
+                         f"({reference_path(found)})")
 
 
 def reference_metrics(reference: dict | None, lab: str) -> dict:

@@ -1,10 +1,10 @@
 """Executed copies of the solutions (docs/executed/, made on a GPU by .ci/gpu-reference): write, stamp, check.
 
 A learner without a GPU opens `docs/executed/<lab>.ipynb` to see real GPU outputs and plots. Each copy
-records in its notebook metadata (`course_executed`) the commit, software, device and date it came from
-and a hash of its solution's source cells; `stale()` compares that hash with today's solution, so the
-report (and `python -m utils.machinery.executed check`) says when a copy is older than its solution. Huge outputs
-are left out of a copy (with a line saying so) to keep the repository small.
+records in its notebook metadata (`course_executed`) the commit, software, device ("2x NVIDIA H100 80GB HBM3" for
+a lab run on two GPUs), GPU count and date it came from and a hash of its solution's source cells; `stale()` compares
+that hash with today's solution, so the report (and `python -m utils.machinery.executed check`) says when a copy is
+older than its solution. Huge outputs are left out of a copy (with a line saying so) to keep the repository small.
 
     python -m utils.machinery.executed copy build/executed/*.ipynb     # after `make run` on a GPU
     python -m utils.machinery.executed check                            # which copies are missing or stale
@@ -24,6 +24,7 @@ import nbformat
 
 from utils.base import state
 from utils.base.paths import REPO_ROOT, SOLUTIONS_DIR as SOLUTIONS
+from utils.record import device_label, gpus_of
 from utils.stack import software_stack
 
 COPIES = REPO_ROOT / "docs" / "executed"
@@ -92,7 +93,8 @@ def _strip(output, limits: dict) -> object:
 def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None = None,
               device: str | None = None, limits: dict | None = None) -> Path:
     """Write `executed` (a notebook `make run` executed) to `out_dir` with its outputs (huge ones left out)
-    and the `course_executed` stamp; returns the copy's path."""
+    and the `course_executed` stamp; returns the copy's path. The device is the results sidecar's (or `device`, for
+    a run without one), named "2x <GPU>" when the sidecar says the lab used two GPUs."""
     limits = {"text": MAX_TEXT_BYTES, "image": MAX_IMAGE_BYTES, **(limits or {})}
     executed = Path(executed)
     solution = Path(solution) if solution else SOLUTIONS / executed.name
@@ -102,12 +104,14 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
             cell.outputs = [_strip(o, limits) for o in cell.outputs]
     results = state.read_json(Path(executed).parent.parent / "results" / f"{executed.stem}.json", {},
                               what="results sidecar", shape=dict) or {}
+    gpus = gpus_of(results) if results.get("device") else (1 if device else None)
     nb.metadata[KEY] = {
         "solution": f"solutions/{solution.name}",
         "solution_sha256": source_hash(nbformat.read(solution, as_version=4)),
         "commit": commit(),
         "uncommitted_changes": uncommitted_changes(),
-        "device": device or (results.get("device") or {}).get("name"),
+        "device": device_label(device or (results.get("device") or {}).get("name"), gpus),
+        "gpus": gpus,
         "software": results.get("software") or software_stack(),
         "run_id": results.get("run_id"),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

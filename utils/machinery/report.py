@@ -2,16 +2,20 @@
 
 `make run` calls `build_report()`, which reads every sidecar under `build/results/` (`utils.record`) and the
 harness's `status.json`: each lab's status, seconds and peak memory; its warnings; each figure with its size,
-spread and the machine's state, beside the same lab's figure in the H100 reference (`utils/reference/h100.json`)
-at the same size, or in a size-independent form (fraction of peak) with both sizes shown; and a one-word verdict
-(as expected / slow / suspicious / unreliable, with the reason).
-`python -m utils.machinery.report reference OUT.json [--merge]` turns the sidecars of a real run into a reference
-record: each lab's reliable figures under that lab; `--merge` replaces only the labs this run executed.
+spread and the machine's state, beside the same lab's figure in the reference record `utils.record.find_reference`
+picks for it (the course's record of the same GPU and GPU count, e.g. `utils/reference/h100x2.json` for lab 06 on
+two H100s; else the H100 reference `utils/reference/h100.json`, with a note saying so) at the same size, or in a
+size-independent form (fraction of peak) with both sizes shown; and a one-word verdict (as expected / slow /
+suspicious / unreliable, with the reason).
+`python -m utils.machinery.report reference OUT.json [--merge] [--gpus N]` turns the sidecars of a real run into a
+reference record: each lab's reliable figures under that lab, and the number of GPUs the run used; `--merge`
+replaces only the labs this run executed.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import markdown
@@ -21,7 +25,8 @@ from utils.base.paths import build_dir
 from utils.device import spec
 from utils.machine import summary
 from utils.machinery.executed import commit, describe
-from utils.record import load_reference, load_results, reference_metrics
+from utils.record import (DEFAULT_REFERENCE, device_label, find_reference, gpus_of, load_reference, load_results,
+                          record_gpus, reference_metrics, reference_path)
 
 # GPUs whose published peaks every report shows next to the learner's own device.
 PUBLISHED = ("mi300x", "h100_sxm")
@@ -71,14 +76,24 @@ def finished_results(results: dict[str, dict], status: dict) -> tuple[dict[str, 
 
 
 def make_reference(results: dict[str, dict], commit: str | None = None) -> dict:
-    """A reference record (`utils/reference/<gpu>.json`) from the sidecars of one real run: each lab's figures
-    under that lab, with their size, spread and machine state; unreliable figures are left out (listed)."""
+    """A reference record (`utils/reference/<gpu>.json`, `<gpu>x<N>.json` for N GPUs) from the sidecars of one real
+    run: each lab's figures under that lab, with their size, spread and machine state, and the number of GPUs the
+    run used (`gpus`; `topology`, the link between them, when a lab recorded it); unreliable figures are left out
+    (listed). All labs must come from one device and one GPU count."""
     runs = {lab: r for lab, r in results.items() if r.get("metrics")}
     if not runs:
         raise ValueError("no recorded metrics: run the solutions first (make run)")
     devices = {r["device"]["name"] for r in runs.values() if r.get("device")}
     if len(devices) != 1:
         raise ValueError(f"the results come from several devices or none: {sorted(devices)}")
+    counts = {}
+    for lab, r in sorted(runs.items()):
+        counts.setdefault(gpus_of(r), []).append(lab)
+    if len(counts) != 1:
+        mix = "; ".join(f"{n} GPU{'s' if n != 1 else ''}: {', '.join(labs)}" for n, labs in sorted(counts.items()))
+        raise ValueError(f"the results come from runs on different numbers of GPUs ({mix}): a record holds one count; "
+                         "make it from the labs of one count (LABS=solutions/06_multi_gpu.ipynb .ci/gpu-reference "
+                         "h100x2 for lab 06 on two GPUs)")
     first = next(iter(runs.values()))
     labs = {}
     for lab, r in sorted(runs.items()):
@@ -86,18 +101,29 @@ def make_reference(results: dict[str, dict], commit: str | None = None) -> dict:
         left = {k: "; ".join(m.get("reasons", [])) for k, m in r["metrics"].items() if k not in kept}
         labs[lab] = {"date": r["date"][:10], "run_id": r.get("run_id"), "commit": commit,
                      "software": r["software"], "state": r.get("state", {}), "metrics": kept,
+                     **({"topology": r["topology"]} if r.get("topology") else {}),
                      **({"unreliable": left} if left else {})}
-    return {"format": 2, "device": first["device"]["name"], "arch": first["device"]["arch"], "labs": labs}
+    topology = sorted({r["topology"] for r in runs.values() if r.get("topology")})
+    return {"format": 2, "device": first["device"]["name"], "arch": first["device"]["arch"], "gpus": next(iter(counts)),
+            **({"topology": "; ".join(topology)} if topology else {}), "labs": labs}
 
 
 def merge_reference(old: dict, new: dict) -> dict:
-    """``old`` with the labs ``new`` ran replaced by ``new``'s (a later run of some labs on the same GPU); every
-    other lab's figures are kept as they were."""
+    """``old`` with the labs ``new`` ran replaced by ``new``'s (a later run of some labs on the same GPU, at the same
+    GPU count); every other lab's figures are kept as they were."""
     if old["device"] != new["device"]:
         raise ValueError(f"cannot merge a {new['device']} run into a {old['device']} reference")
+    if record_gpus(old) != record_gpus(new):
+        raise ValueError(f"cannot merge a {record_gpus(new)}-GPU run into a {record_gpus(old)}-GPU reference "
+                         f"({old['device']}): write it to a record of its own (.ci/gpu-reference "
+                         f"<gpu>x{record_gpus(new)})")
     if old.get("format") != 2:
         raise ValueError("the old reference is not in the per-lab format (format 2): regenerate it")
-    return {**old, "labs": dict(sorted({**old["labs"], **new["labs"]}.items()))}
+    merged = {k: v for k, v in old.items() if k != "labs"}
+    merged["gpus"] = record_gpus(new)
+    if new.get("topology"):
+        merged["topology"] = new["topology"]
+    return {**merged, "labs": dict(sorted({**old["labs"], **new["labs"]}.items()))}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -133,8 +159,11 @@ def _theirs(mine: dict, ref: dict | None) -> str:
     return f"{_fmt(ref['value'])} {ref['unit']} at {ref.get('size', 'a size not recorded')} (not comparable)"
 
 
-def verdict(mine: dict, ref: dict | None, device: dict | None, ref_device: str | None) -> str:
-    """One word for a learner's figure, with its reason: as expected / slow / suspicious / unreliable."""
+def verdict(mine: dict, ref: dict | None, device: dict | None, ref_device: str | None, *,
+            same_gpus: bool = True) -> str:
+    """One word for a learner's figure, with its reason: as expected / slow / suspicious / unreliable. Its value is
+    set against the reference's only on the same device (`ref_device`, the record's) at the same GPU count
+    (`same_gpus`); otherwise against its fraction of peak."""
     if mine.get("verdict") == "unreliable":
         return "**unreliable**: " + "; ".join(mine.get("reasons", ["no reason recorded"]))
     if mine.get("fraction_of_peak", 0) > 1.05:
@@ -145,7 +174,7 @@ def verdict(mine: dict, ref: dict | None, device: dict | None, ref_device: str |
     if ref is None:
         return "no reference figure to judge by"
     better = mine.get("better")
-    if comparable(mine, ref) and (device or {}).get("name") == ref_device:
+    if comparable(mine, ref) and (device or {}).get("name") == ref_device and same_gpus:
         ratio, against = mine["value"] / ref["value"] if ref["value"] else math.inf, "the reference"
         low, high = 0.8, 1.25
     elif "fraction_of_peak" in mine and ref.get("fraction_of_peak"):
@@ -171,11 +200,21 @@ def _device_line(device: dict) -> str:
             f"{', warp size ' + str(device['warp_size']) if device.get('warp_size') else ''})")
 
 
-def _provenance(r: dict, reference: dict | None, lab: str) -> str:
+def _reference_name(reference: dict | None, stem: str) -> str:
+    """A record as a lab's table names it: "2x NVIDIA H100 80GB HBM3 (utils/reference/h100x2.json)"."""
+    if not reference:
+        return "reference"
+    return f"{device_label(reference.get('device'), record_gpus(reference))} ({reference_path(stem)})"
+
+
+def _provenance(r: dict, reference: dict | None, lab: str, stem: str = DEFAULT_REFERENCE) -> str:
     """Which run each column of a lab's table comes from, and the machine's state."""
     sw = r.get("software") or {}
     st = r.get("state") or {}
+    gpus = gpus_of(r)
     mine = (f"**Yours:** run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}"
+            + (f" on {gpus} GPUs" if gpus > 1 else "")
+            + (f" ({r['topology']})" if gpus > 1 and r.get("topology") else "")
             + (f", torch {sw['torch']}" if sw.get("torch") else "")
             + f". Machine at the start: {summary(st.get('start'))}"
             + (f"; at the end: {summary(st['end'])}" if st.get("end") else "") + ".")
@@ -183,7 +222,7 @@ def _provenance(r: dict, reference: dict | None, lab: str) -> str:
     if not ref:
         return mine
     rsw = ref.get("software") or {}
-    return (mine + f" **Reference:** {reference['device']}, run of {ref.get('date', '?')}"
+    return (mine + f" **Reference:** {_reference_name(reference, stem)}, run of {ref.get('date', '?')}"
             + (f", commit {str(ref['commit'])[:10]}" if ref.get("commit") else "")
             + (f", torch {rsw['torch']}" if rsw.get("torch") else "")
             + (f"; machine: {summary(ref['state'].get('start'))}" if (ref.get("state") or {}).get("start") else "")
@@ -194,7 +233,18 @@ def _peak_memory(st: dict | None) -> str:
     return f"{st['peak_memory_mb']:,.0f} MB" if st and st.get("peak_memory_mb") else "–"
 
 
+def lab_reference(r: dict | None, lab: str, default: dict | None) -> tuple[dict | None, str, str | None]:
+    """(the record a lab's figures are set beside, its stem, a note or None), by `find_reference` from the lab's
+    sidecar (its device's name and how many GPUs it used); `default` stands for h100.json (the record the caller
+    loaded: CPU runs, one GPU and GPUs without a record of their own)."""
+    device = (r or {}).get("device") or {}
+    found, stem, note = find_reference(device.get("name"), gpus_of(r), lab=lab)
+    return (default, stem, note) if stem == DEFAULT_REFERENCE else (found, stem, note)
+
+
 def render_markdown(results: dict[str, dict], status: dict, reference: dict | None) -> str:
+    """The report's Markdown. `reference`: the course's one-GPU record (h100.json); a lab run on several GPUs is
+    set beside the course's record of that many where there is one (`lab_reference`)."""
     run = status.get("run")
     status = status.get("labs", {})
     labs = sorted(set(results) | set(status))
@@ -207,9 +257,14 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
         out.append(f"**Device:** {_device_line(device)}{' · published peaks: ' + peaks if peaks else ''}")
         sw = next(r["software"] for r in results.values() if r.get("software"))
         out += ["", "**Software:** " + ", ".join(f"{k} {v}" for k, v in sw.items())]
+    chosen = {lab: lab_reference(results.get(lab), lab, reference) for lab in labs}
+    others = [f"{lab} beside {_reference_name(ref, stem)}" for lab, (ref, stem, _) in chosen.items()
+              if ref and stem != DEFAULT_REFERENCE]
     if reference:
         out += ["", f"**Reference:** {reference['device']} ({reference['arch']}), `utils/reference/`: each lab's "
-                    "figures from its own run (dates below)"]
+                    "figures from its own run (dates below)" + ("; " + "; ".join(others) if others else "")]
+    elif others:
+        out += ["", "**Reference:** " + "; ".join(others)]
     if run:
         out += ["", f"**Run:** `{run.get('id')}`, started {run.get('started')}, "
                     + {"finished": "finished", "interrupted": f"**interrupted** ({run.get('signal', '')})",
@@ -225,11 +280,15 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
         text = lab_state(st, run) if st else "no status: figures recorded outside `make run`"
         out.append(f"| {lab} | {text} | {st.get('seconds', '–') if st else '–'} | {_peak_memory(st)} | "
                    f"{st.get('executed', '–') if st else '–'} |")
-    ref_name = reference["device"] if reference else "reference"
     for lab in labs:
         r = results.get(lab)
-        ref_metrics = reference_metrics(reference, lab)
+        lab_ref, stem, note = chosen[lab]
+        ref_metrics = reference_metrics(lab_ref, lab)
+        ref_name = _reference_name(lab_ref, stem)
+        same_gpus = lab_ref is None or record_gpus(lab_ref) == max(gpus_of(r), 1)
         out += ["", f"## {lab}", ""]
+        if note and r and r.get("metrics"):
+            out += [f"*Reference: {note}.*", ""]
         if status.get(lab, {}).get("status") in ("failed", "interrupted"):
             out += [f"This lab {status[lab]['status']}: {status[lab].get('error', '')}. "
                     f"Open `{status[lab].get('executed', '')}` to see the last cell it ran.", ""]
@@ -241,8 +300,9 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
         if run and r.get("run_id") != run.get("id"):
             out += [f"*These figures are from run `{r.get('run_id') or 'outside make run'}` of {r.get('date', '?')}, "
                     "not from the latest run.*", ""]
-        out += [_provenance(r, reference, lab), ""]
+        out += [_provenance(r, lab_ref, lab, stem), ""]
         out += [f"| figure | size | yours | {ref_name} | verdict |", "|---|---|---|---|---|"]
+        lab_device, ref_device = r.get("device") or device, (lab_ref or {}).get("device")
         for key, m in r["metrics"].items():
             yours = (f"unreliable ({_fmt(m['value'])} {m['unit']})" if m.get("verdict") == "unreliable"
                      else _value(m))
@@ -250,10 +310,11 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
                 yours += f"; n={m['samples']}" + (f", spread {m['spread']:.0%}" if "spread" in m else "")
             out.append(f"| {m.get('label', key)} | {m.get('size', 'not recorded')} | {yours} | "
                        f"{_theirs(m, ref_metrics.get(key))} | "
-                       f"{verdict(m, ref_metrics.get(key), device, (reference or {}).get('device'))} |")
+                       f"{verdict(m, ref_metrics.get(key), lab_device, ref_device, same_gpus=same_gpus)} |")
         rest = {k: m for k, m in ref_metrics.items() if k not in r["metrics"]}
         if rest:
-            out += ["", f"{ref_name}'s other figures of this lab (no counterpart in your run):", "",
+            out += ["", f"{device_label(lab_ref['device'], record_gpus(lab_ref))}'s other figures of this lab "
+                        "(no counterpart in your run):", "",
                     "| figure | size | value |", "|---|---|---|"]
             out += [f"| {m.get('label', k)} | {m.get('size', 'not recorded')} | {_value(m)} |" for k, m in rest.items()]
         for fig in r.get("figures", []):
@@ -298,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ref.add_argument("out", type=Path)
     ref.add_argument("--merge", action="store_true",
                      help="keep OUT's figures of the labs this run did not execute")
+    ref.add_argument("--gpus", type=int, help="the number of GPUs the record is of: refuse a run of another count")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         print(build_report())
@@ -305,15 +367,23 @@ def main(argv: list[str] | None = None) -> int:
         results, left = finished_results(load_results(), load_status())
         for lab, why in left.items():
             print(f"{lab}: left out of the reference ({why})")
-        data = make_reference(results, commit=commit())
-        for lab, entry in data["labs"].items():
-            for key, why in entry.get("unreliable", {}).items():
-                print(f"{lab}: {key} left out of the reference (unreliable: {why})")
-        if args.merge and args.out.exists():
-            data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise', shape=dict), data)
+        try:
+            data = make_reference(results, commit=commit())
+            if args.gpus is not None and data["gpus"] != args.gpus:
+                raise ValueError(f"{args.out} is a record of {args.gpus} GPU{'s' if args.gpus != 1 else ''}, but this "
+                                 f"run's labs used {data['gpus']} (lab 06's ranks: its RANKS parameter)")
+            for lab, entry in data["labs"].items():
+                for key, why in entry.get("unreliable", {}).items():
+                    print(f"{lab}: {key} left out of the reference (unreliable: {why})")
+            if args.merge and args.out.exists():
+                data = merge_reference(state.read_json(args.out, what='reference record', on_corrupt='raise',
+                                                       shape=dict), data)
+        except ValueError as e:
+            print(f"report reference: {e}", file=sys.stderr)
+            return 2
         state.write_json(args.out, data)
         print(f"{args.out}: {sum(len(e['metrics']) for e in data['labs'].values())} figures of "
-              f"{len(data['labs'])} labs from {data['device']}")
+              f"{len(data['labs'])} labs from {device_label(data['device'], data['gpus'])}")
     return 0
 
 

@@ -8,34 +8,47 @@ Rank r of `world` holds:
 - the embedding and the norms whole (a lookup reads one row), the rows of lm_head for its share of the
   vocabulary (one all-gather of the logits at the end).
 
-So one generated token costs 2 x layers all-reduces of `hidden` numbers and one all-gather. `TPLlama`
-reads only its shard of each weight from the safetensors files (`safe_open(...).get_slice`), keeps a
-static KV cache in buffers updated with `index_copy_`, and takes one step with no host synchronisation,
-so `decode_step` can be compiled and captured in a CUDA/HIP graph together with its collectives
-(`make_step(model, "graph")`). `python -m utils.multigpu.tp` is the program every rank runs (`utils.multigpu.launch`).
+So one generated token costs 2 x layers all-reduces of `hidden` numbers (per sequence of the batch) and one
+all-gather. `TPLlama` reads only its shard of each weight from the safetensors files (`safe_open(...).get_slice`),
+keeps a static KV cache in buffers updated with `index_copy_`, and takes one step with no host synchronisation, so
+its step can be compiled and captured in one CUDA/HIP graph together with its collectives (`make_step`). A
+`Variant` names how a step runs (eager or graph, fused or separate products, NCCL or a one-shot all-reduce over
+symmetric memory: `utils.multigpu.comm`, tuned kernels); `utils.multigpu.attribution` says where its time goes.
+`python -m utils.multigpu.tp` is the program every rank runs (`utils.multigpu.launch`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
-import os
+import math
+import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from utils.base import state
 from utils.llm import models
+from utils.multigpu import attribution, launch
 from utils.multigpu.collectives import init, library_version
+from utils.multigpu.comm import Collectives, SymmMemCollectives, symm_skip_reason
 
 # A Llama small enough for two CPU ranks in CI, divisible by 1, 2 and 4 ranks.
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, vocab_size=512, tie_word_embeddings=False)
 MODES = ("eager", "graph")
-COMM_PREFIXES = ("nccl:", "gloo:")   # the names torch.profiler gives collectives (RCCL: ProcessGroupNCCL too)
+# Lab 06's sets of variants (`Variant`), each step one more optimisation: TP_VARIANTS chooses one.
+PRESETS = {"ladder": ("eager", "graph", "graph+symm", "graph+symm+tuned"),
+           "quick": ("eager", "graph+symm+tuned"),
+           "all": ("eager", "graph+unfused", "graph", "graph+tuned", "graph+symm", "graph+symm+tuned")}
+LARGE_VARIANTS = ("graph", "graph+symm+tuned")     # at the larger batch, on GPUs
+SPLIT_BY = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
 def model_config(shape: str, **overrides):
@@ -55,9 +68,27 @@ def split(total: int, rank: int, world: int, what: str) -> tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
+def ranks_for(config, available: int) -> tuple[int, str | None]:
+    """The most ranks, up to `available`, that every split dimension of `config` divides (`SPLIT_BY`), and a note
+    when that is fewer than `available` (Llama-3.1-8B's 8 KV heads do not split over 3 GPUs: 2 ranks)."""
+    n = max(1, available)
+    while n > 1 and any(getattr(config, what) % n for what in SPLIT_BY):
+        n -= 1
+    if n == available or available < 1:
+        return n, None
+    blocked = [f"{what}={getattr(config, what)}" for what in SPLIT_BY if getattr(config, what) % available]
+    return n, (f"{available} GPUs, but {', '.join(blocked)} do not split {available} ways: {n} ranks "
+               f"(RANKS={n}; the other GPUs stay idle)")
+
+
+def one_gpu_variants(variants) -> list[str]:
+    """`variants` as one GPU runs them: no all-reduce to replace (the symmetric-memory flag dropped), each once."""
+    return list(dict.fromkeys(Variant.parse(v).name.replace("+symm", "") for v in variants))
+
+
 def max_len_for(tokens: list[int], decode: int, profile_tokens: int = 4) -> int:
-    """KV-cache length for the checked tokens, then a timed and a profiled decode (each from the same start)."""
-    return len(tokens) + 2 * (decode + profile_tokens + 8)
+    """KV-cache length for the checked tokens, then the timed and the profiled decodes (each from the end of them)."""
+    return len(tokens) + max(decode, profile_tokens) + 8
 
 
 def tolerance(dtype, noise: float | None = None) -> float:
@@ -160,28 +191,6 @@ def mlp_partial(model_dir, layer: int, x, *, rank: int, world: int):
     return mlp(x, wgu.to(x), wd.to(x))
 
 
-class Collectives:
-    """The two collectives of the split, over a torch.distributed group (functional collectives: they
-    return new tensors, so torch.compile can trace them and a CUDA/HIP graph can capture them)."""
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-
-        self.group = group if group is not None else dist.group.WORLD
-
-    def all_reduce(self, x):
-        import torch.distributed._functional_collectives as fc
-
-        return fc.all_reduce(x, "sum", self.group)
-
-    def all_gather(self, x):
-        """[1, part] on every rank -> [ranks, part], rank r's part in row r."""
-        import torch.distributed._functional_collectives as fc
-
-        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor   # the newer name, same call
-        return gather(x, 0, self.group)
-
-
 class _Layer(torch.nn.Module):
     """One decoder layer's shards and KV cache, as buffers (what torch.compile and CUDA graphs need)."""
 
@@ -201,10 +210,12 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 class TPLlama(torch.nn.Module):
-    """Rank `rank` of `world`'s shard of a Llama from `model_dir`; `decode_step()` takes one token."""
+    """Rank `rank` of `world`'s shard of a Llama from `model_dir`, decoding `batch` sequences in step (one token
+    each, all at the same position); `decode_step()` takes one step. `fuse=False` runs q, k, v (and gate, up) as
+    separate products over views of the fused weights: the same numbers, more and smaller kernels."""
 
     def __init__(self, model_dir, *, rank: int = 0, world: int = 1, group=None, device="cpu",
-                 dtype=None, max_len: int = 256, comm=None):
+                 dtype=None, max_len: int = 256, comm=None, batch: int = 1, fuse: bool = True):
         super().__init__()
         from transformers import AutoConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -215,9 +226,11 @@ class TPLlama(torch.nn.Module):
             raise ValueError("TPLlama handles Llama without biases (attention_bias and mlp_bias False)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"TPLlama handles the SiLU MLP of Llama, not hidden_act={cfg.hidden_act!r}")
-        self.config, self.rank, self.world = cfg, rank, world
-        # how the ranks talk: torch.distributed's functional collectives over `group` (traceable by
-        # torch.compile, capturable in a graph); a test can pass another object with the same two methods
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch={batch!r} must be a whole number >= 1")
+        self.config, self.rank, self.world, self.batch, self.fuse = cfg, rank, world, batch, fuse
+        # how the ranks talk (utils.multigpu.comm): NCCL/RCCL or gloo collectives over `group`, or a one-shot
+        # all-reduce over symmetric memory; a test can pass another object with the same two methods
         self.comm = comm if comm is not None else (Collectives(group) if world > 1 else None)
         self.device = torch.device(device)
         dtype = dtype or torch.float32
@@ -228,7 +241,10 @@ class TPLlama(torch.nn.Module):
         k0, k1 = split(KV, rank, world, "num_key_value_heads")
         i0, i1 = split(I, rank, world, "intermediate_size")
         v0, v1 = split(V, rank, world, "vocab_size")
-        self.D, self.Hl, self.KVl, self.max_len = D, h1 - h0, k1 - k0, max_len
+        self.D, self.Hl, self.KVl, self.Il, self.max_len = D, h1 - h0, k1 - k0, i1 - i0, max_len
+        # the cache rounded up to 16 positions, as lab 05's lean decoder does: SDPA's memory-efficient kernel wants
+        # the mask's rows 16-aligned and would pad them in every layer otherwise; the extra positions stay masked
+        self.cache_len = -(-max_len // 16) * 16
         self.eps = cfg.rms_norm_eps
         put = dict(device=self.device, dtype=dtype)
         w = _Weights(folder)
@@ -246,8 +262,8 @@ class TPLlama(torch.nn.Module):
                     "wo": g("self_attn.o_proj.weight", cols=(h0 * D, h1 * D)).to(**put),
                     "ln2": g("post_attention_layernorm.weight").to(**put), "wgu": wgu.to(**put),
                     "wd": wd.to(**put),
-                    "k_cache": torch.zeros(1, self.KVl, max_len, D, **put),
-                    "v_cache": torch.zeros(1, self.KVl, max_len, D, **put)}))
+                    "k_cache": torch.zeros(batch, self.KVl, self.cache_len, D, **put),
+                    "v_cache": torch.zeros(batch, self.KVl, self.cache_len, D, **put)}))
                 del wqkv, wgu, wd
             self.layers = torch.nn.ModuleList(layers)
             head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
@@ -257,53 +273,110 @@ class TPLlama(torch.nn.Module):
         finally:
             w.close()
         rope = LlamaRotaryEmbedding(config=cfg)
-        positions = torch.arange(max_len, device=self.device)
-        cos, sin = rope(torch.empty(1, dtype=dtype, device=self.device), positions[None])
+        cos, sin = rope(torch.empty(1, dtype=dtype, device=self.device), torch.arange(max_len, device=self.device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
-        self.register_buffer("positions", positions, persistent=False)
-        self.register_buffer("token", torch.zeros(1, dtype=torch.long, device=self.device), persistent=False)
+        self.register_buffer("positions", torch.arange(self.cache_len, device=self.device), persistent=False)
+        self.register_buffer("token", torch.zeros(batch, dtype=torch.long, device=self.device), persistent=False)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=self.device), persistent=False)
-        self.register_buffer("logits", torch.zeros(1, V, dtype=dtype, device=self.device), persistent=False)
+        self.register_buffer("logits", torch.zeros(batch, V, dtype=dtype, device=self.device), persistent=False)
         self.scale = D ** -0.5
         self.vocab = V
+
+    def set_batch(self, batch: int) -> None:
+        """Decode `batch` sequences from now on: new (zeroed) KV caches and token/logits buffers; the weights stay."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch={batch!r} must be a whole number >= 1")
+        self.batch = batch
+        for L in self.layers:
+            L.k_cache = L.v_cache = None
+            L.k_cache = torch.zeros(batch, self.KVl, self.cache_len, self.D, device=self.device, dtype=self.dtype)
+            L.v_cache = torch.zeros_like(L.k_cache)
+        self.token = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.logits = torch.zeros(batch, self.vocab, dtype=self.dtype, device=self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank reads per step: its shards of every layer and of the output layer (one row
+        of the embedding besides: negligible)."""
+        names = ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")
+        per_layer = sum(getattr(self.layers[0], n).nbytes for n in names)
+        return per_layer * len(self.layers) + self.lm_head.nbytes + self.norm.nbytes
 
     # --- communication: the only two places ranks talk ---
     def all_reduce(self, x):
         return x if self.comm is None else self.comm.all_reduce(x)
 
     def all_gather_logits(self, x):
-        return x if self.comm is None else self.comm.all_gather(x).reshape(1, self.vocab)
+        """[batch, vocab/world] on every rank -> [batch, vocab]: the ranks' parts side by side."""
+        if self.comm is None:
+            return x
+        parts = self.comm.all_gather(x)                                  # [world * batch, vocab / world]
+        return parts.view(self.world, self.batch, -1).transpose(0, 1).reshape(self.batch, self.vocab)
 
-    def forward(self, token, pos):
-        """Logits [1, vocab] of `token` at position `pos` (0-dim), every earlier position cached."""
-        D, Hl, KVl = self.D, self.Hl, self.KVl
-        h = self.embed.index_select(0, token)                           # [1, hidden]
+    # --- one step in three functions (each compiled on its own in graph mode; see make_step) ---
+    def head(self, token, pos):
+        """The embedding of `token` [batch] and what every layer shares: cos/sin at `pos`, the attention mask (0
+        where a cached position may be seen, -inf after `pos`), and a zero residual update for the first layer."""
+        D = self.D
+        h = self.embed.index_select(0, token)                            # [batch, hidden]
         cos = self.cos.index_select(0, pos.view(1)).view(1, 1, 1, D)
         sin = self.sin.index_select(0, pos.view(1)).view(1, 1, 1, D)
-        mask = (self.positions <= pos).view(1, 1, 1, self.max_len)
-        for layer in self.layers:
-            x = rms_norm(h, layer.ln1, self.eps)
-            q, k, v = F.linear(x, layer.wqkv).split([Hl * D, KVl * D, KVl * D], dim=-1)
-            q, k, v = q.view(1, Hl, 1, D), k.view(1, KVl, 1, D), v.view(1, KVl, 1, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            layer.k_cache.index_copy_(2, pos.view(1), k)
-            layer.v_cache.index_copy_(2, pos.view(1), v)
-            a = F.scaled_dot_product_attention(q, layer.k_cache, layer.v_cache, attn_mask=mask,
-                                               scale=self.scale, enable_gqa=Hl != KVl)
-            h = h + self.all_reduce(F.linear(a.reshape(1, Hl * D), layer.wo))      # all-reduce 1
-            x = rms_norm(h, layer.ln2, self.eps)
-            h = h + self.all_reduce(mlp(x, layer.wgu, layer.wd))                    # all-reduce 2
-        x = rms_norm(h, self.norm, self.eps)
-        return self.all_gather_logits(F.linear(x, self.lm_head))
+        visible = (self.positions <= pos).view(1, 1, 1, self.cache_len)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+        return h, torch.zeros_like(h), cos, sin, mask
 
-    def decode_step(self):
-        """One greedy step on the buffers: logits of `token` at `pos`, next token, pos + 1."""
-        logits = self.forward(self.token, self.pos)
+    def layer(self, h, delta, cos, sin, mask, pos, ln1, wqkv, wo, ln2, wgu, wd, k_cache, v_cache):
+        """One decoder layer on this rank's shard: `h + delta` is the residual stream (the previous layer's MLP
+        output, already all-reduced, is added here, where it meets the norm); returns the stream after attention
+        and this layer's all-reduced MLP output."""
+        B, D, Hl, KVl = self.batch, self.D, self.Hl, self.KVl
+        h = h + delta
+        x = rms_norm(h, ln1, self.eps)
+        if self.fuse:
+            q, k, v = F.linear(x, wqkv).split([Hl * D, KVl * D, KVl * D], dim=-1)
+        else:
+            q, k, v = (F.linear(x, wqkv[a:b]) for a, b in ((0, Hl * D), (Hl * D, (Hl + KVl) * D),
+                                                           ((Hl + KVl) * D, (Hl + 2 * KVl) * D)))
+        q, k, v = q.view(B, Hl, 1, D), k.view(B, KVl, 1, D), v.view(B, KVl, 1, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache.index_copy_(2, pos.view(1), k)
+        v_cache.index_copy_(2, pos.view(1), v)
+        a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=Hl != KVl)
+        h = h + self.all_reduce(F.linear(a.reshape(B, Hl * D), wo))        # all-reduce 1
+        x = rms_norm(h, ln2, self.eps)
+        if self.fuse:
+            gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, wgu[:self.Il]), F.linear(x, wgu[self.Il:])
+        return h, self.all_reduce(F.linear(F.silu(gate) * up, wd))       # all-reduce 2
+
+    def finish(self, h, delta):
+        """The last norm, this rank's part of the vocabulary, the all-gather of the logits, the greedy next token;
+        advances the position."""
+        x = rms_norm(h + delta, self.norm, self.eps)
+        logits = self.all_gather_logits(F.linear(x, self.lm_head))
         self.logits.copy_(logits)
         self.token.copy_(logits.argmax(-1))
         self.pos.add_(1)
+
+    def decode_step(self, fns=None):
+        """One greedy step on the buffers: logits of `token` at `pos`, next token, pos + 1. `fns`: compiled
+        (head, layer, finish), else these methods."""
+        head, layer, finish = fns or (self.head, self.layer, self.finish)
+        h, delta, cos, sin, mask = head(self.token, self.pos)
+        for L in self.layers:
+            h, delta = layer(h, delta, cos, sin, mask, self.pos, L.ln1, L.wqkv, L.wo, L.ln2, L.wgu, L.wd,
+                             L.k_cache, L.v_cache)
+        finish(h, delta)
+
+    def forward(self, token, pos):
+        """Logits [batch, vocab] of `token` [batch] at position `pos` (0-dim), every earlier position cached."""
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self.decode_step()
+        return self.logits.clone()
 
     def reset(self, pos: int = 0, token: int | None = None):
         self.pos.fill_(pos)
@@ -311,43 +384,88 @@ class TPLlama(torch.nn.Module):
             self.token.fill_(token)
 
 
-
-# --- running it ----------------------------------------------------------------------------------------
+# --- variants of the step ------------------------------------------------------------------------------
 
 def _sync(device):
     if getattr(device, "type", device) == "cuda":
         torch.cuda.synchronize(device)
 
 
-def make_step(model, mode: str):
-    """A function that takes one decode step: "eager" (Python, one kernel launch per operation) or
-    "graph" (torch.compile, then the whole step, collectives included, captured in one CUDA/HIP graph)."""
+@dataclass(frozen=True)
+class Variant:
+    """How a step runs: "eager" (Python, one launch per operation) or "graph" (each of head, layer, finish compiled
+    by torch.compile, the whole step, collectives included, captured in one CUDA/HIP graph); fused or separate
+    q/k/v and gate/up products; NCCL's all-reduce or the one-shot one over symmetric memory; inductor's
+    coordinate-descent tuning of its kernels (with it, torch.compile also writes the one-row products as its own
+    kernels, fused with the norms and activations around them). Written like "graph+symm+tuned" (`Variant.parse`)."""
+    mode: str = "eager"
+    fuse: bool = True
+    comm: str = "nccl"
+    tune: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        mode, *flags = text.strip().split("+")
+        if mode not in MODES:
+            raise ValueError(f"variant {text!r}: its mode must be one of {MODES}")
+        unknown = set(flags) - set(FLAGS)
+        if unknown:
+            raise ValueError(f"variant {text!r}: unknown {sorted(unknown)}; use {'+'.join(FLAGS)} after the mode")
+        if mode == "eager" and "tuned" in flags:
+            raise ValueError(f"variant {text!r}: 'tuned' tunes compiled kernels (graph mode only)")
+        return cls(mode, "unfused" not in flags, "symm" if "symm" in flags else "nccl", "tuned" in flags)
+
+    @property
+    def name(self) -> str:
+        return "+".join([self.mode] + ["unfused"] * (not self.fuse) + ["symm"] * (self.comm == "symm")
+                        + ["tuned"] * self.tune)
+
+    def describe(self) -> str:
+        parts = {"eager": "eager", "graph": "compiled, one CUDA/HIP graph"}[self.mode]
+        parts += ", q/k/v and gate/up fused" if self.fuse else ", q/k/v and gate/up separate"
+        if self.comm == "symm":
+            parts += ", one-shot all-reduce (symmetric memory)"
+        return parts + (", kernels tuned" if self.tune else "")
+
+
+FLAGS = ("unfused", "symm", "tuned")
+
+
+def make_step(model, mode: str | Variant = "eager", *, tune: bool = False):
+    """A function that takes one decode step: "eager" (Python, one kernel launch per operation) or "graph"
+    (`head`, `layer` and `finish` compiled by torch.compile, each once, then the whole step, collectives included,
+    captured in one CUDA/HIP graph: one launch per token)."""
+    if isinstance(mode, Variant):
+        mode, tune = mode.mode, mode.tune
     if mode == "eager":
         return model.decode_step
     if mode != "graph":
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if model.device.type != "cuda":
         raise RuntimeError("graph mode needs a GPU (CUDA or HIP graphs)")
-    compiled = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+    options = {"coordinate_descent_tuning": True} if tune else None
+    fns = tuple(torch.compile(f, fullgraph=True, dynamic=False, options=options)
+                for f in (model.head, model.layer, model.finish))
     start = int(model.pos.item())
     side = torch.cuda.Stream(model.device)
     side.wait_stream(torch.cuda.current_stream(model.device))
     with torch.cuda.stream(side):
         for _ in range(3):                        # compile and warm up outside the capture
-            compiled()
+            model.decode_step(fns)
     torch.cuda.current_stream(model.device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        compiled()
+        model.decode_step(fns)
     _sync(model.device)
     model.reset(start)
     return graph.replay
 
 
 def teacher_forced_logits(model, step, tokens: list[int]):
-    """Logits [len(tokens), vocab] (float32, on the CPU) of feeding `tokens` one step at a time from
-    position 0: the same as one forward pass over the whole sequence."""
+    """Logits [len(tokens), vocab] (float32, on the CPU; the first sequence of the batch, every sequence being fed
+    the same tokens) of feeding `tokens` one step at a time from position 0: the same as one forward pass over the
+    whole sequence."""
     model.reset(0)
     out = []
     for t in tokens:
@@ -357,74 +475,47 @@ def teacher_forced_logits(model, step, tokens: list[int]):
     return torch.stack(out)
 
 
-def tokens_per_s(model, step, n: int, *, start: int, warmup: int = 3) -> float:
-    """Greedy decode rate of `step`, tokens/s, for `n` tokens after `warmup` untimed ones."""
+def decode_rate(model, step, n: int, *, start: int, rounds: int = 5, warmup: int = 3) -> dict:
+    """Greedy decode with `step`: `rounds` timings of `n` steps each (from position `start`), after `warmup`
+    untimed steps. Returns the median step in ms, tokens/s over the batch, each round's ms per step, and their
+    spread (interquartile range / median)."""
+    samples = []
     model.reset(start)
     for _ in range(warmup):
         step()
-    _sync(model.device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    _sync(model.device)
-    return n / (time.perf_counter() - t0)
-
-
-def collective_name(key: str) -> str | None:
-    """"nccl:all_reduce" -> "all_reduce"; None for anything that is not a collective."""
-    low = key.lower()
-    if not low.startswith(COMM_PREFIXES):
-        return None
-    for name, words in (("reduce_scatter", ("reduce_scatter", "reducescatter")),
-                        ("all_reduce", ("all_reduce", "allreduce")), ("all_gather", ("all_gather", "allgather")),
-                        ("all_to_all", ("all_to_all", "alltoall")), ("broadcast", ("broadcast",))):
-        if any(w in low for w in words):
-            return name
-    return low.split(":", 1)[1]
-
-
-def profile_split(step, n: int, device) -> dict:
-    """Per token, from torch.profiler over `n` steps: the collectives each rank ran (counts), and the
-    time in communication and in compute. On a GPU both are kernel times (NCCL/RCCL kernels, which
-    include the wait for the peer, against all others); on a CPU, communication is the time gloo's
-    operations took and compute is the rest of the wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    gpu = getattr(device, "type", device) == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    _sync(device)
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    for _ in range(rounds):
+        model.reset(start)
+        _sync(model.device)
+        t0 = time.perf_counter()
         for _ in range(n):
             step()
-        _sync(device)
-    wall = (time.perf_counter() - t0) / n
-    counts, comm, compute = {}, 0.0, 0.0
-    for e in prof.key_averages():
-        name = collective_name(e.key)
-        if name:
-            counts[name] = counts.get(name, 0) + e.count / n
-        if gpu:
-            dev_time = getattr(e, "self_device_time_total", None)
-            if dev_time is None:
-                dev_time = getattr(e, "self_cuda_time_total", 0)
-            if dev_time and _is_kernel(e):
-                if "nccl" in e.key.lower() or "rccl" in e.key.lower():
-                    comm += dev_time
-                else:
-                    compute += dev_time
-        elif name:
-            comm += e.cpu_time_total
-    comm_ms = comm / 1e3 / n
-    compute_ms = compute / 1e3 / n if gpu else max(0.0, wall * 1e3 - comm_ms)
-    return {"counts": counts, "comm_ms": comm_ms, "compute_ms": compute_ms, "wall_ms": wall * 1e3,
-            "kernel_times": gpu}
+        _sync(model.device)
+        samples.append((time.perf_counter() - t0) / n * 1e3)
+    med = statistics.median(samples)
+    q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
+    return {"step_ms": med, "tokens_per_s": model.batch * 1e3 / med, "samples_ms": samples,
+            "spread": (q[2] - q[0]) / med if med else math.inf}
 
 
-def _is_kernel(event) -> bool:
-    from torch.autograd import DeviceType
-
-    return getattr(event, "device_type", None) == DeviceType.CUDA
+def copy_gbps(device, nbytes: int = 1 << 30) -> float | None:
+    """This GPU's measured device-to-device copy bandwidth (bytes read + written per second, GB/s): the ceiling a
+    rank's weight reads are set against; None on a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    gbps = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+    del a, b
+    return gbps
 
 
 def hf_reference_logits(model, tokens: list[int]):
@@ -445,7 +536,7 @@ def hf_collectives_per_token(model, tokens: list[int]) -> dict:
             model(ids[:, -1:], past_key_values=past, use_cache=True)
     counts = {}
     for e in prof.key_averages():
-        name = collective_name(e.key)
+        name = attribution.collective_name(e.key)
         if name:
             counts[name] = counts.get(name, 0) + e.count
     return counts
@@ -459,7 +550,30 @@ def free(device):
         torch.cuda.empty_cache()
 
 
-# --- the program every rank runs ------------------------------------------------------------------------
+# --- the program every rank runs, and its launch -----------------------------------------------------------
+
+def launch_split(model_dir, tokens: list[int], *, nproc: int, decode: int, variants, large_batch: int = 0,
+                 large_variants=(), hf: bool = False, dtensor: bool = False, timeout: float,
+                 variant_timeout: float | None = None, name: str = "tensor-parallel"):
+    """`python -m utils.multigpu.tp` on `nproc` ranks (`utils.multigpu.launch`). Returns (result, run, failure): what
+    rank 0 wrote (when a rank failed or a variant hung, what it had saved before: `result["partial"]` is then True),
+    the `Run`, and the `RankFailed` (None when every rank ended well)."""
+    args = ["--model", model_dir, "--tokens", ",".join(map(str, tokens)), "--decode", decode,
+            "--variants", ",".join(variants)]
+    if large_batch > 1 and large_variants:
+        args += ["--large-batch", large_batch, "--large-variants", ",".join(large_variants)]
+    args += ["--hf"] * hf + ["--dtensor"] * dtensor
+    args += ["--variant-timeout", variant_timeout] if variant_timeout else []
+    try:
+        run = launch.torchrun("utils.multigpu.tp", args, nproc=nproc, timeout=timeout, name=name)
+        return run.result(), run, None
+    except launch.RankFailed as exc:
+        try:
+            result = exc.run.result() if exc.run else None
+        except (OSError, ValueError):
+            result = None
+        return result, exc.run, exc
+
 
 def _record(fn):
     try:
@@ -469,33 +583,86 @@ def _record(fn):
     return record(fn)
 
 
-def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, modes, out: Path | None,
-             profile_tokens: int = 4) -> dict:
-    """The hand-written split on this rank: logits of `tokens` for each mode (saved), tokens/s, profile."""
-    results = {}
-    model = TPLlama(model_dir, rank=rank, world=world, group=group, device=device, dtype=dtype,
+def _comm_for(variant: Variant, model, state: dict, group, device):
+    """The communication object of `variant` on this rank: NCCL's (made once), or the symmetric-memory one (made once,
+    collectively: every rank reaches this call for the same variant); None on one rank."""
+    if model.world == 1:
+        return None
+    if variant.comm == "symm":
+        if "symm" not in state:
+            hidden = model.config.hidden_size
+            state["symm"] = SymmMemCollectives(group, numel=model.batch * hidden, dtype=model.dtype, device=device)
+        return state["symm"]
+    if "nccl" not in state:
+        state["nccl"] = Collectives(group)
+    return state["nccl"]
+
+
+def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, plans, out: Path | None,
+             profile_tokens: int = 4, variant_timeout: float | None = None, on_result=None) -> dict:
+    """The hand-written split on this rank, for each (batch, [variant names]) of `plans`: each variant's logits of
+    `tokens` (saved as hand-<variant>-b<batch>-rank<r>.pt), its decode rate, and where a step's time goes
+    (`utils.multigpu.attribution`). A variant this machine cannot run is reported with its reason and the others
+    still run; one that does not end within `variant_timeout` seconds (a hung graph capture, say) ends the process
+    with every thread's traceback (faulthandler), after `on_result` has been given what was measured so far."""
+    results = {"batches": {}}
+    model = TPLlama(model_dir, rank=rank, world=world, group=group, device=device, dtype=dtype, batch=plans[0][0],
                     max_len=max_len_for(tokens, decode, profile_tokens))
-    for mode in modes:
-        entry = results[mode] = {}
-        try:
-            step = make_step(model, mode)
-            logits = teacher_forced_logits(model, step, tokens)
-            if out is not None:
-                torch.save(logits, out / f"hand-{mode}-rank{rank}.pt")
-            entry["tokens_per_s"] = tokens_per_s(model, step, decode, start=len(tokens))
-            model.reset(len(tokens))
-            try:
-                entry["profile"] = profile_split(step, profile_tokens, device)
-            except Exception as exc:  # noqa: BLE001 - the speed stands without the profile
-                entry["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
-        except Exception as exc:  # noqa: BLE001 - reported (a graph this stack cannot capture); the rest runs
-            results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"rank {rank}: by hand, {mode}: {results[mode]['error']}", flush=True)
-        step = None
-        free(device)
-    del model
+    results["weight_bytes"] = model.weight_bytes()
+    results["copy_gbps"] = copy_gbps(device)
+    state = {}
+    for batch, variants in plans:
+        if batch != model.batch:
+            model.set_batch(batch)
+            state.pop("symm", None)           # its buffer holds one batch's hidden vectors
+        entries = results["batches"][str(batch)] = {}
+        for name in variants:
+            variant = Variant.parse(name)
+            entry = entries[variant.name] = {"describe": variant.describe()}
+            if variant.comm == "symm" and (world == 1 or symm_skip_reason(device)):
+                entry["skip"] = symm_skip_reason(device) or "one rank: there is nothing to all-reduce"
+                continue
+            if variant.mode == "graph" and torch.device(device).type != "cuda":
+                entry["skip"] = "graph mode needs a GPU (CUDA or HIP graphs)"
+                continue
+            _run_variant(model, variant, entry, tokens, decode=decode, profile_tokens=profile_tokens, out=out,
+                         comm=lambda v=variant: _comm_for(v, model, state, group, device), timeout=variant_timeout)
+            if on_result:
+                on_result(results)
+    del model, state
     free(device)
     return results
+
+
+def _run_variant(model, variant: Variant, entry: dict, tokens, *, decode, profile_tokens, out, comm, timeout):
+    """One variant on this rank, into `entry`: checked logits (saved), decode rate, profile; an error is recorded."""
+    if timeout:
+        faulthandler.dump_traceback_later(timeout, exit=True)
+    step = None
+    try:
+        model.fuse = variant.fuse
+        model.comm = comm()
+        t0 = time.perf_counter()
+        step = make_step(model, variant)
+        entry["make_step_s"] = time.perf_counter() - t0
+        logits = teacher_forced_logits(model, step, tokens)
+        if out is not None:
+            torch.save(logits, out / f"hand-{variant.name}-b{model.batch}-rank{model.rank}.pt")
+        entry.update(decode_rate(model, step, decode, start=len(tokens)))
+        model.reset(len(tokens))
+        try:
+            entry["profile"] = attribution.profile_step(step, profile_tokens, model.device, entry["step_ms"])
+        except Exception as exc:  # noqa: BLE001 - the speed stands without the profile
+            entry["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - reported (a graph this stack cannot capture); the rest runs
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"rank {model.rank}: by hand, {variant.name}, batch {model.batch}: {entry['error']}", flush=True)
+    finally:
+        if timeout:
+            faulthandler.cancel_dump_traceback_later()
+        step = None
+        model.comm = None
+        free(model.device)
 
 
 def dtensor_plans(config) -> tuple[dict, dict]:
@@ -572,7 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, required=True, help="a safetensors Llama folder")
     p.add_argument("--tokens", required=True, help="comma-separated token ids whose logits are checked")
     p.add_argument("--decode", type=int, default=16, help="tokens timed per measurement")
-    p.add_argument("--modes", default="eager", help="eager,graph")
+    p.add_argument("--variants", default="eager", help="batch 1: comma-separated Variant names (eager,graph,graph+symm)")
+    p.add_argument("--large-batch", type=int, default=0, help="a larger batch for the hand-written split (0: none)")
+    p.add_argument("--large-variants", default="", help="the variants run at --large-batch")
+    p.add_argument("--variant-timeout", type=float, default=None, help="seconds one variant may take on a rank")
     p.add_argument("--hf", action="store_true", help="also transformers' tp_plan='auto'")
     p.add_argument("--dtensor", action="store_true", help="also PyTorch's parallelize_module (DTensor)")
     p.add_argument("--backend", choices=["nccl", "gloo"], default=None)
@@ -588,8 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     result = {"world": world, "backend": dist.get_backend(), "library": library_version(), "dtype": str(dtype),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
-    result["hand"] = run_hand(a.model, tokens, rank=rank, world=world, group=dist.group.WORLD, device=device,
-                              dtype=dtype, decode=a.decode, modes=a.modes.split(","), out=a.out)
+    save = (lambda r: state.write_json(a.out / "result.json", r)) if rank == 0 else (lambda r: None)
+    # the libraries first: a variant of the hand-written split that hangs (and is ended) cannot take them away
     if a.hf:
         try:
             result["hf"] = run_hf_tp(a.model, tokens, rank=rank, device=device, dtype=dtype, decode=a.decode,
@@ -597,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - transformers' API moves; the hand-written results still count
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"rank {rank}: transformers tp_plan='auto' failed: {result['hf']['error']}", flush=True)
+        save({**result, "partial": True})
     if a.dtensor:
         try:
             result["dtensor"] = run_dtensor(a.model, tokens, rank=rank, world=world, device=device, dtype=dtype,
@@ -604,8 +775,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - reported beside the other paths, which still count
             result["dtensor"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"rank {rank}: parallelize_module failed: {result['dtensor']['error']}", flush=True)
-    if rank == 0:
-        (a.out / "result.json").write_text(json.dumps(result, indent=1))
+        save({**result, "partial": True})
+    plans = [(1, [v for v in a.variants.split(",") if v])]
+    if a.large_batch > 1 and a.large_variants:
+        plans.append((a.large_batch, a.large_variants.split(",")))
+    if any(v for _, v in plans):
+        result["hand"] = run_hand(a.model, tokens, rank=rank, world=world, group=dist.group.WORLD, device=device,
+                                  dtype=dtype, decode=a.decode, plans=[p for p in plans if p[1]], out=a.out,
+                                  variant_timeout=a.variant_timeout,
+                                  on_result=lambda hand: save({**result, "hand": hand, "partial": True}))
+    save(result)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -337,6 +337,11 @@ def test_profiler_names_of_collectives():
     # torch.compile names its kernels after what they fuse: an add fed by the all-reduce is compute, not communication
     assert attribution.collective_kernel("triton_red_fused_mm_one_shot_all_reduce_t_view_5") is None
     assert attribution.collective_kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") is None
+    for name, kind in (("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "matrix products"),
+                       ("triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_7", "matrix products"),
+                       ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
+                       ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other")):
+        assert attribution.compute_kind(name) == kind, name
 
 
 class Event:

@@ -66,8 +66,11 @@ def collective_kernel(name: str) -> str | None:
 
 
 def compute_kind(name: str) -> str:
-    """A compute kernel's family: "matrix products" (cuBLAS/cuBLASLt/CUTLASS, hipBLASLt: the weight reads),
-    "attention", or "other" (norms, RoPE, the cache update, activations: what torch.compile generates)."""
+    """A compute kernel's family: "matrix products" (cuBLAS/cuBLASLt/CUTLASS, hipBLASLt, or a kernel torch.compile
+    wrote for a product, named after the `mm` it fuses: the weight reads), "attention", or "other" (norms, RoPE, the
+    cache update, activations)."""
+    if name.startswith("triton") and {"mm", "addmm", "bmm"} & set(name.split("_")):
+        return "matrix products"
     kind = kernel_kind(name)
     return {"matmul (vendor library)": "matrix products", "attention": "attention"}.get(kind, "other")
 

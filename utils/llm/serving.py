@@ -340,12 +340,25 @@ class Server:
         except urllib.error.HTTPError as err:
             return f"the lab 05 server ({self.engine.name}) is wedged: HTTP {err.code}" if err.code >= 500 else None
         except (ConnectionRefusedError, ConnectionResetError) as err:
-            return f"the lab 05 server ({self.engine.name}) is wedged: {type(err).__name__}"
+            reason = err
         except (urllib.error.URLError, TimeoutError, OSError) as err:
             reason = getattr(err, "reason", err)
-            if isinstance(reason, (ConnectionRefusedError, ConnectionResetError)):
-                return f"the lab 05 server ({self.engine.name}) is wedged: {type(reason).__name__}"
+            if not isinstance(reason, (ConnectionRefusedError, ConnectionResetError)):
+                return None
+        # a connection dropped: by an engine that died under the probe (killed, out of memory), which is dead, not
+        # wedged (the next request reports it with its exit code and log), or by a live one that is wedged
+        if self._dies_within(2.0):
             return None
+        return f"the lab 05 server ({self.engine.name}) is wedged: {type(reason).__name__}"
+
+    def _dies_within(self, seconds: float) -> bool:
+        """Whether the engine's process has exited, or does within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while self.owned.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _watch(self) -> None:
         """The watchdog: every ``watch_every`` seconds, a wedged engine is restarted (a dead one is left for

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import gc
 import json
-import math
-import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from utils import timing
 from utils.base import state
 from utils.llm import models
 from utils.multigpu import attribution, launch
@@ -169,10 +169,14 @@ def _mlp_shard(w: _Weights, layer: int, features: tuple[int, int]):
     return wgu, w.get(p + "down_proj.weight", cols=features)
 
 
-def mlp(x, wgu, wd):
+def mlp(x, wgu, wd, *, fuse: bool = True):
     """A rank's MLP: SiLU(gate) * up on its features, times its columns of down_proj: a partial sum of the
-    whole MLP's output (the all-reduce over the ranks makes it whole)."""
-    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    whole MLP's output (the all-reduce over the ranks makes it whole). `fuse=False` computes gate and up as two
+    products over the halves of `wgu` (the same numbers, one more kernel)."""
+    if fuse:
+        gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    else:
+        gate, up = (F.linear(x, w) for w in wgu.chunk(2))
     return F.linear(F.silu(gate) * up, wd)
 
 
@@ -209,6 +213,11 @@ def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
+def _check_batch(batch) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a whole number >= 1")
+
+
 class TPLlama(torch.nn.Module):
     """Rank `rank` of `world`'s shard of a Llama from `model_dir`, decoding `batch` sequences in step (one token
     each, all at the same position); `decode_step()` takes one step. `fuse=False` runs q, k, v (and gate, up) as
@@ -226,8 +235,7 @@ class TPLlama(torch.nn.Module):
             raise ValueError("TPLlama handles Llama without biases (attention_bias and mlp_bias False)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"TPLlama handles the SiLU MLP of Llama, not hidden_act={cfg.hidden_act!r}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch={batch!r} must be a whole number >= 1")
+        _check_batch(batch)
         self.config, self.rank, self.world, self.batch, self.fuse = cfg, rank, world, batch, fuse
         # how the ranks talk (utils.multigpu.comm): NCCL/RCCL or gloo collectives over `group`, or a one-shot
         # all-reduce over symmetric memory; a test can pass another object with the same two methods
@@ -241,7 +249,7 @@ class TPLlama(torch.nn.Module):
         k0, k1 = split(KV, rank, world, "num_key_value_heads")
         i0, i1 = split(I, rank, world, "intermediate_size")
         v0, v1 = split(V, rank, world, "vocab_size")
-        self.D, self.Hl, self.KVl, self.Il, self.max_len = D, h1 - h0, k1 - k0, i1 - i0, max_len
+        self.D, self.Hl, self.KVl, self.max_len = D, h1 - h0, k1 - k0, max_len
         # the cache rounded up to 16 positions, as lab 05's lean decoder does: SDPA's memory-efficient kernel wants
         # the mask's rows 16-aligned and would pad them in every layer otherwise; the extra positions stay masked
         self.cache_len = -(-max_len // 16) * 16
@@ -285,8 +293,7 @@ class TPLlama(torch.nn.Module):
 
     def set_batch(self, batch: int) -> None:
         """Decode `batch` sequences from now on: new (zeroed) KV caches and token/logits buffers; the weights stay."""
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch={batch!r} must be a whole number >= 1")
+        _check_batch(batch)
         self.batch = batch
         for L in self.layers:
             L.k_cache = L.v_cache = None
@@ -345,12 +352,7 @@ class TPLlama(torch.nn.Module):
         a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=self.scale,
                                            enable_gqa=Hl != KVl)
         h = h + self.all_reduce(F.linear(a.reshape(B, Hl * D), wo))        # all-reduce 1
-        x = rms_norm(h, ln2, self.eps)
-        if self.fuse:
-            gate, up = F.linear(x, wgu).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(x, wgu[:self.Il]), F.linear(x, wgu[self.Il:])
-        return h, self.all_reduce(F.linear(F.silu(gate) * up, wd))       # all-reduce 2
+        return h, self.all_reduce(mlp(rms_norm(h, ln2, self.eps), wgu, wd, fuse=self.fuse))   # all-reduce 2
 
     def finish(self, h, delta):
         """The last norm, this rank's part of the vocabulary, the all-gather of the logits, the greedy next token;
@@ -370,13 +372,6 @@ class TPLlama(torch.nn.Module):
             h, delta = layer(h, delta, cos, sin, mask, self.pos, L.ln1, L.wqkv, L.wo, L.ln2, L.wgu, L.wd,
                              L.k_cache, L.v_cache)
         finish(h, delta)
-
-    def forward(self, token, pos):
-        """Logits [batch, vocab] of `token` [batch] at position `pos` (0-dim), every earlier position cached."""
-        self.token.copy_(token)
-        self.pos.copy_(pos)
-        self.decode_step()
-        return self.logits.clone()
 
     def reset(self, pos: int = 0, token: int | None = None):
         self.pos.fill_(pos)
@@ -478,7 +473,7 @@ def teacher_forced_logits(model, step, tokens: list[int]):
 def decode_rate(model, step, n: int, *, start: int, rounds: int = 5, warmup: int = 3) -> dict:
     """Greedy decode with `step`: `rounds` timings of `n` steps each (from position `start`), after `warmup`
     untimed steps. Returns the median step in ms, tokens/s over the batch, each round's ms per step, and their
-    spread (interquartile range / median)."""
+    spread (interquartile range / median, as `utils.timing.Timing` has it)."""
     samples = []
     model.reset(start)
     for _ in range(warmup):
@@ -491,31 +486,20 @@ def decode_rate(model, step, n: int, *, start: int, rounds: int = 5, warmup: int
             step()
         _sync(model.device)
         samples.append((time.perf_counter() - t0) / n * 1e3)
-    med = statistics.median(samples)
-    q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
-    return {"step_ms": med, "tokens_per_s": model.batch * 1e3 / med, "samples_ms": samples,
-            "spread": (q[2] - q[0]) / med if med else math.inf}
+    t = timing.Timing(tuple(samples), "perf_counter")
+    return {"step_ms": t.median_ms, "tokens_per_s": model.batch * 1e3 / t.median_ms, "samples_ms": samples,
+            "spread": t.spread}
 
 
 def copy_gbps(device, nbytes: int = 1 << 30) -> float | None:
-    """This GPU's measured device-to-device copy bandwidth (bytes read + written per second, GB/s): the ceiling a
-    rank's weight reads are set against; None on a CPU."""
+    """This GPU's measured device-to-device copy bandwidth (bytes read + written per second, GB/s, `utils.timing`'s
+    median): the ceiling a rank's weight reads are set against; None on a CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    gbps = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3) / 1e9
-    del a, b
-    return gbps
+    return timing.benchmark(lambda: b.copy_(a), warmup=3, reps=10, flush_l2=False, device=device).gbps(2 * nbytes)
 
 
 def hf_reference_logits(model, tokens: list[int]):
@@ -583,19 +567,19 @@ def _record(fn):
     return record(fn)
 
 
-def _comm_for(variant: Variant, model, state: dict, group, device):
+def _comm_for(variant: Variant, model, comms: dict, group, device):
     """The communication object of `variant` on this rank: NCCL's (made once), or the symmetric-memory one (made once,
     collectively: every rank reaches this call for the same variant); None on one rank."""
     if model.world == 1:
         return None
     if variant.comm == "symm":
-        if "symm" not in state:
+        if "symm" not in comms:
             hidden = model.config.hidden_size
-            state["symm"] = SymmMemCollectives(group, numel=model.batch * hidden, dtype=model.dtype, device=device)
-        return state["symm"]
-    if "nccl" not in state:
-        state["nccl"] = Collectives(group)
-    return state["nccl"]
+            comms["symm"] = SymmMemCollectives(group, numel=model.batch * hidden, dtype=model.dtype, device=device)
+        return comms["symm"]
+    if "nccl" not in comms:
+        comms["nccl"] = Collectives(group)
+    return comms["nccl"]
 
 
 def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, plans, out: Path | None,
@@ -610,26 +594,28 @@ def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, pl
                     max_len=max_len_for(tokens, decode, profile_tokens))
     results["weight_bytes"] = model.weight_bytes()
     results["copy_gbps"] = copy_gbps(device)
-    state = {}
+    comms = {}                                # this rank's communication objects, made once each
     for batch, variants in plans:
         if batch != model.batch:
             model.set_batch(batch)
-            state.pop("symm", None)           # its buffer holds one batch's hidden vectors
+            comms.pop("symm", None)           # its buffer holds one batch's hidden vectors
         entries = results["batches"][str(batch)] = {}
         for name in variants:
             variant = Variant.parse(name)
             entry = entries[variant.name] = {"describe": variant.describe()}
-            if variant.comm == "symm" and (world == 1 or symm_skip_reason(device)):
-                entry["skip"] = symm_skip_reason(device) or "one rank: there is nothing to all-reduce"
+            why = symm_skip_reason(device) or ("one rank: there is nothing to all-reduce" if world == 1 else None)
+            if variant.comm == "symm" and why:
+                entry["skip"] = why
                 continue
             if variant.mode == "graph" and torch.device(device).type != "cuda":
                 entry["skip"] = "graph mode needs a GPU (CUDA or HIP graphs)"
                 continue
             _run_variant(model, variant, entry, tokens, decode=decode, profile_tokens=profile_tokens, out=out,
-                         comm=lambda v=variant: _comm_for(v, model, state, group, device), timeout=variant_timeout)
+                         comm=functools.partial(_comm_for, variant, model, comms, group, device),
+                         timeout=variant_timeout)
             if on_result:
                 on_result(results)
-    del model, state
+    del model, comms
     free(device)
     return results
 

@@ -2,6 +2,7 @@
 
     python3 bench/lab06_tp.py                         # llama-3.1-8b on every GPU, batch 1 and 16: ~6 min on 2 H100s
     python3 bench/lab06_tp.py --gpus 2 --batches 1 --no-lean --shape llama-3.2-1b
+    python3 bench/lab06_tp.py --gpus 2,4 --one graph+tuned           # one GPU, then 2 and 4 ranks
 
 One random-weight model (BF16, safetensors) is written once; then, for each GPU count (1 and N; batch 1, then the
 largest of --batches in the same ranks), the course's launcher starts the ranks of `python -m utils.multigpu.tp` with a list of `Variant`s (eager; graph, i.e.
@@ -29,8 +30,8 @@ from utils.multigpu import launch, tp  # noqa: E402  (launch: NVLS_OFF)
 
 os.environ.update(launch.NVLS_OFF)
 ONE = "eager,graph+unfused,graph,graph+tuned"
-MANY = "eager,graph+unfused,graph,graph+symm,graph+symm+tuned"
-LARGE_BATCH = "graph,graph+symm,graph+symm+tuned"
+MANY = "eager,graph+unfused,graph,graph+symm,graph+symm+tuned,graph+arnorm,graph+arnorm+tuned"
+LARGE_BATCH = "graph,graph+symm+tuned,graph+arnorm+tuned"
 
 
 def lean_baseline(hf, tokens: list[int], n: int) -> dict:
@@ -50,7 +51,7 @@ def lean_baseline(hf, tokens: list[int], n: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--gpus", type=int, default=None, help="ranks of the split (default: every GPU)")
+    p.add_argument("--gpus", default=None, help="ranks of the split, one count or several (2,4); default: every GPU")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
     p.add_argument("--one", default=ONE, help="variants on one GPU")
@@ -65,10 +66,11 @@ def main() -> int:
 
     assert torch.cuda.is_available(), "this script needs a GPU"
     t_start = time.perf_counter()
-    gpus = a.gpus or torch.cuda.device_count()
+    worlds = [int(g) for g in a.gpus.split(",")] if a.gpus else [torch.cuda.device_count()]
+    gpus = max(worlds)
     dtype = torch.bfloat16
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    info = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__, "shape": a.shape,
+    info = {"gpu": torch.cuda.get_device_name(0), "gpus": worlds, "torch": torch.__version__, "shape": a.shape,
             "tokens": a.tokens, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
     cfg = tp.model_config(a.shape)
     tokens = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -99,11 +101,11 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     save()
 
-    one_large = [v.replace("+symm", "") for v in a.large.split(",")]     # no communication on one GPU
+    one_large = tp.one_gpu_variants(a.large.split(","))     # no communication on one GPU
     batches = [int(b) for b in a.batches.split(",")]
     large = max(batches) if max(batches) > 1 else 0
-    plan = [(1, a.one.split(","), list(dict.fromkeys(one_large)))]
-    plan += [(gpus, a.many.split(","), a.large.split(","))] if gpus > 1 else []
+    plan = [(1, a.one.split(","), one_large)] if a.one else []
+    plan += [(world, a.many.split(","), a.large.split(",")) for world in worlds if world > 1]
     for world, variants, large_variants in plan:
         if time.perf_counter() - t_start > a.budget_s:
             runs.append({"world": world, "skipped": f"past the {a.budget_s:.0f} s budget"})

@@ -19,7 +19,7 @@ from conftest import DATA
 from grading import errors, run_lab_with, stream_text
 from utils import solutions
 from utils.base import processes
-from utils.multigpu import attribution, collectives, comm, launch, topology, tp
+from utils.multigpu import attribution, collectives, comm, launch, oneshot, topology, tp
 from utils.exercises import ExerciseFailed
 from utils.graders import lab06 as graders
 
@@ -403,6 +403,9 @@ def test_variants_presets_and_ranks():
             tp.Variant.parse(bad)
     assert all(tp.Variant.parse(v).name == v for preset in tp.PRESETS.values() for v in preset)
     assert tp.one_gpu_variants(tp.PRESETS["ladder"]) == ["eager", "graph", "graph+tuned"]
+    assert tp.Variant.parse("graph+arnorm+tuned").comm == "arnorm"
+    with pytest.raises(ValueError, match="choose one all-reduce"):
+        tp.Variant.parse("graph+symm+arnorm")
     cfg = tp.model_config("llama-3.1-8b")
     assert [tp.ranks_for(cfg, n)[0] for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 2, 4, 4, 8]
     assert tp.ranks_for(cfg, 4)[1] is None and "num_key_value_heads=8" in tp.ranks_for(cfg, 3)[1]
@@ -412,6 +415,72 @@ def test_symmetric_memory_says_why_it_cannot_run_here():
     assert "needs GPUs" in comm.symm_skip_reason("cpu")
     with pytest.raises(RuntimeError, match="needs GPUs"):
         comm.SymmMemCollectives(object(), numel=8, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="needs GPUs"):
+        comm.OneShotNormCollectives(object(), rows=1, hidden=8, dtype=torch.float32, device="cpu")
+    assert oneshot.layout(16, 4096, torch.bfloat16, 4) == (2 * 16 * 4096 * 2 + 4 * 16 * 4, 2 * 16 * 4096 * 2 // 4)
+
+
+@pytest.mark.parametrize("world, rows", [(2, 3), (4, 1)])
+def test_one_shot_all_reduce_add_rms_norm_kernel(world, rows):
+    """The course's fused kernel (utils.multigpu.oneshot), rank by rank in one process (Triton's interpreter on a
+    CPU; the peers' buffers and flags set as if they had arrived first): every rank gets the same bits, within BF16
+    rounding of all-reduce + add + RMSNorm, counts the barrier and announces it in every peer's flags."""
+    g = torch.Generator().manual_seed(0)
+    D, slot, dt = 96, 1, torch.bfloat16                # D not a power of two: the masked tail
+    xs = [torch.randn(rows, D, generator=g).to(dt) for _ in range(world)]
+    residual, weight = torch.randn(rows, D, generator=g).to(dt), torch.randn(D, generator=g).to(dt)
+    want_h = residual.float() + sum(x.float() for x in xs)
+    want_y = tp.rms_norm(want_h, weight.float(), 1e-5)
+    outs = []
+    size, flags_at = oneshot.layout(rows, D, dt, world)
+    for rank in range(world):
+        raws = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
+        data = [r[: 4 * flags_at].view(dt) for r in raws]
+        flags = [r[4 * flags_at:].view(torch.int32).view(rows, world) for r in raws]
+        epochs = torch.full((rows,), 6, dtype=torch.int32)       # six barriers behind it
+        off = slot * rows * D
+        for r in range(world):
+            if r != rank:
+                data[r][off:off + rows * D] = xs[r].flatten()
+                flags[rank][:, r] = 7                           # peer r has reached barrier 7
+        table = torch.tensor([t.data_ptr() for t in raws], dtype=torch.int64)
+        h, y = oneshot.launch(xs[rank], residual, weight, 1e-5, buffer_ptrs=table.data_ptr(), flags_at=flags_at,
+                              epochs=epochs, rank=rank, world=world, slot_offset=off)
+        assert torch.equal(data[rank][off:off + rows * D], xs[rank].flatten())     # its own partial, in its slot
+        assert epochs.eq(7).all()                                               # barrier 7, every row
+        for r in range(world):
+            assert flags[r][:, rank].eq(7 if r != rank else 0).all()            # announced at every peer
+        outs.append((h, y))
+    assert all(torch.equal(h, outs[0][0]) and torch.equal(y, outs[0][1]) for h, y in outs)
+    assert tp.compare(outs[0][0], want_h) <= 1e-2 and tp.compare(outs[0][1], want_y) <= 2e-2
+
+
+def test_the_fused_all_reduce_is_called_with_alternating_slots(tiny):
+    """TPLlama hands a communication object that has `all_reduce_add_norm` each all-reduce with the add and norm
+    after it, its two calls per layer in slots 0 then 1 (the one-shot kernel's buffer reuse rests on it); the
+    logits are those of the plain all-reduce."""
+    folder, reference = tiny[torch.float32]
+    ranks = ThreadRanks(2)
+    slots, plain = {0: [], 1: []}, ranks.comm
+
+    def fused(rank):
+        base = plain(rank)
+
+        class Fused:
+            all_gather = base.all_gather
+
+            def all_reduce_add_norm(self, x, residual, weight, eps, slot):
+                slots[rank].append(slot)
+                h = residual + base.all_reduce(x)
+                return h, tp.rms_norm(h, weight, eps)
+
+        return Fused()
+
+    ranks.comm = fused
+    logits = ranks.logits(folder, TOKENS)
+    assert tp.compare(logits[0], reference) <= tp.tolerance(torch.float32)
+    calls = len(TOKENS) * 2 * tp.TINY["num_hidden_layers"]
+    assert slots[0] == slots[1] == [0, 1] * (calls // 2)
 
 
 # --- the launcher -----------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ HOST_PREFIXES = ("nccl:", "gloo:", "course::")   # host-side names: ProcessGroup
 # Communication kernels: NCCL's and RCCL's (ncclDevKernel_AllReduce_Sum_bf16_RING_LL, ...) and PyTorch's
 # symmetric-memory kernels (c10d::symmetric_memory::one_shot_all_reduce_kernel<...>). A kernel torch.compile
 # generated is named after the operations it fuses ("triton_poi_fused_add_one_shot_all_reduce_3"): never communication.
-COMM_KERNEL_WORDS = ("nccl", "rccl", "symmetric_memory", "one_shot_all_reduce_kernel", "two_shot_all_reduce_kernel")
+COMM_KERNEL_WORDS = ("nccl", "rccl", "symmetric_memory", "one_shot_all_reduce_kernel", "two_shot_all_reduce_kernel",
+                     "one_shot_all_reduce_add_rms_norm_kernel")
 TOP = 12   # the kernels that took the most time in a step, listed by name
 _KINDS = (("reduce_scatter", ("reduce_scatter", "reducescatter")), ("all_reduce", ("all_reduce", "allreduce")),
           ("all_gather", ("all_gather", "allgather")), ("all_to_all", ("all_to_all", "alltoall")),

@@ -13,10 +13,14 @@ a CUDA/HIP graph captures them with the rest of a decode step.
   the buffers may be reused. One kernel, no protocol: what vLLM's custom all-reduce and PyTorch's
   `symm_mem.one_shot_all_reduce` do for small messages. It uses peer loads only, never the NVSwitch's multicast
   (`multimem`) operations, which the course keeps off (`utils.multigpu.launch.NVLS_OFF`).
+- `OneShotNormCollectives`: the course's own one-shot kernel (`utils.multigpu.oneshot`, Triton), which also adds the
+  residual and applies the next RMSNorm in the same kernel: `all_reduce_add_norm(x, residual, weight, eps, slot)`.
 """
 from __future__ import annotations
 
 import torch
+
+from utils.multigpu import oneshot
 
 # Symmetric-memory buffers by process-group name, set by SymmMemCollectives; the one-shot op reads them (an op's
 # arguments are tensors, and this buffer must stay the one allocation every rank rendezvoused on, never a copy).
@@ -123,3 +127,40 @@ class SymmMemCollectives(Collectives):
 
     def all_reduce(self, x):
         return self.op(x, self.group_name)
+
+
+class OneShotNormCollectives(Collectives):
+    """`all_reduce_add_norm` as one kernel (`utils.multigpu.oneshot`): the one-shot all-reduce of up to `rows` rows of
+    `hidden` numbers over symmetric memory, the residual add and the RMSNorm after it; `all_gather` stays NCCL's.
+    Every rank of the group must construct it together (the buffer's rendezvous is collective)."""
+
+    name = "one-shot all-reduce + add + RMSNorm (Triton, symmetric memory)"
+
+    def __init__(self, group=None, *, rows: int, hidden: int, dtype, device):
+        reason = symm_skip_reason(device)
+        if reason:
+            raise RuntimeError(reason)
+        super().__init__(group)
+        self.name = OneShotNormCollectives.name
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = self.group.group_name
+        world = dist.get_world_size(self.group)
+        size, _ = oneshot.layout(rows, hidden, dtype, world)
+        raw = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        self.buffers = oneshot.Buffers(raw, symm_mem.rendezvous(raw, self.group_name), rows=rows, hidden=hidden,
+                                       dtype=dtype)
+        # the flags start at 0 on every rank before any rank can raise one (this memory may have held an older
+        # buffer's flags): zero ours, then meet
+        self.buffers.flags.zero_()
+        torch.cuda.synchronize(device)
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+        torch.cuda.synchronize(device)
+        oneshot.register(self.group_name, self.buffers)
+        self.op = oneshot.op()
+
+    def all_reduce_add_norm(self, x, residual, weight, eps: float, slot: int):
+        """(residual + the sum of `x` over the ranks, its RMSNorm times `weight`); consecutive calls alternate `slot`
+        between 0 and 1."""
+        return self.op(x, residual, weight, eps, self.group_name, slot)

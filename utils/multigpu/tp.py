@@ -37,17 +37,18 @@ from utils.base import state
 from utils.llm import models
 from utils.multigpu import attribution, launch
 from utils.multigpu.collectives import init, library_version
-from utils.multigpu.comm import Collectives, SymmMemCollectives, symm_skip_reason
+from utils.multigpu.comm import Collectives, OneShotNormCollectives, SymmMemCollectives, symm_skip_reason
 
 # A Llama small enough for two CPU ranks in CI, divisible by 1, 2 and 4 ranks.
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, vocab_size=512, tie_word_embeddings=False)
 MODES = ("eager", "graph")
 # Lab 06's sets of variants (`Variant`), each step one more optimisation: TP_VARIANTS chooses one.
-PRESETS = {"ladder": ("eager", "graph", "graph+symm", "graph+symm+tuned"),
-           "quick": ("eager", "graph+symm+tuned"),
-           "all": ("eager", "graph+unfused", "graph", "graph+tuned", "graph+symm", "graph+symm+tuned")}
-LARGE_VARIANTS = ("graph", "graph+symm+tuned")     # at the larger batch, on GPUs
+PRESETS = {"ladder": ("eager", "graph", "graph+symm", "graph+symm+tuned", "graph+arnorm", "graph+arnorm+tuned"),
+           "quick": ("eager", "graph+arnorm+tuned"),
+           "all": ("eager", "graph+unfused", "graph", "graph+tuned", "graph+symm", "graph+symm+tuned",
+                   "graph+arnorm", "graph+arnorm+tuned")}
+LARGE_VARIANTS = ("graph", "graph+arnorm+tuned")     # at the larger batch, on GPUs
 SPLIT_BY = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
@@ -82,8 +83,8 @@ def ranks_for(config, available: int) -> tuple[int, str | None]:
 
 
 def one_gpu_variants(variants) -> list[str]:
-    """`variants` as one GPU runs them: no all-reduce to replace (the symmetric-memory flag dropped), each once."""
-    return list(dict.fromkeys(Variant.parse(v).name.replace("+symm", "") for v in variants))
+    """`variants` as one GPU runs them: no all-reduce to replace (the symmetric-memory flags dropped), each once."""
+    return list(dict.fromkeys(Variant.parse(v).name.replace("+symm", "").replace("+arnorm", "") for v in variants))
 
 
 def max_len_for(tokens: list[int], decode: int, profile_tokens: int = 4) -> int:
@@ -320,25 +321,33 @@ class TPLlama(torch.nn.Module):
         parts = self.comm.all_gather(x)                                  # [world * batch, vocab / world]
         return parts.view(self.world, self.batch, -1).transpose(0, 1).reshape(self.batch, self.vocab)
 
+    def all_reduce_add_norm(self, partial, h, weight, slot: int):
+        """(h + the all-reduced `partial`, its RMSNorm times `weight`): where a layer's halves end. One kernel when
+        the communication object has it (`utils.multigpu.oneshot`), else the all-reduce, the add and the norm;
+        `slot` (0 attention, 1 MLP) tells that kernel which half of its buffer to use."""
+        fused = getattr(self.comm, "all_reduce_add_norm", None)
+        if fused is not None:
+            return fused(partial, h, weight, self.eps, slot)
+        h = h + self.all_reduce(partial)
+        return h, rms_norm(h, weight, self.eps)
+
     # --- one step in three functions (each compiled on its own in graph mode; see make_step) ---
     def head(self, token, pos):
-        """The embedding of `token` [batch] and what every layer shares: cos/sin at `pos`, the attention mask (0
-        where a cached position may be seen, -inf after `pos`), and a zero residual update for the first layer."""
+        """The embedding of `token` [batch], normalised for the first layer, and what every layer shares: cos/sin at
+        `pos` and the attention mask (0 where a cached position may be seen, -inf after `pos`)."""
         D = self.D
         h = self.embed.index_select(0, token)                            # [batch, hidden]
         cos = self.cos.index_select(0, pos.view(1)).view(1, 1, 1, D)
         sin = self.sin.index_select(0, pos.view(1)).view(1, 1, 1, D)
         visible = (self.positions <= pos).view(1, 1, 1, self.cache_len)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-        return h, torch.zeros_like(h), cos, sin, mask
+        return h, rms_norm(h, self.layers[0].ln1, self.eps), cos, sin, mask
 
-    def layer(self, h, delta, cos, sin, mask, pos, ln1, wqkv, wo, ln2, wgu, wd, k_cache, v_cache):
-        """One decoder layer on this rank's shard: `h + delta` is the residual stream (the previous layer's MLP
-        output, already all-reduced, is added here, where it meets the norm); returns the stream after attention
-        and this layer's all-reduced MLP output."""
+    def layer(self, h, x, cos, sin, mask, pos, wqkv, wo, ln2, wgu, wd, ln_next, k_cache, v_cache):
+        """One decoder layer on this rank's shard: `h` is the residual stream, `x` its RMSNorm for this layer's
+        attention; returns the stream after the layer and its RMSNorm by `ln_next` (the next layer's input norm, or
+        the final one): each all-reduce meets the residual add and the norm after it (`all_reduce_add_norm`)."""
         B, D, Hl, KVl = self.batch, self.D, self.Hl, self.KVl
-        h = h + delta
-        x = rms_norm(h, ln1, self.eps)
         if self.fuse:
             q, k, v = F.linear(x, wqkv).split([Hl * D, KVl * D, KVl * D], dim=-1)
         else:
@@ -351,13 +360,12 @@ class TPLlama(torch.nn.Module):
         v_cache.index_copy_(2, pos.view(1), v)
         a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=self.scale,
                                            enable_gqa=Hl != KVl)
-        h = h + self.all_reduce(F.linear(a.reshape(B, Hl * D), wo))        # all-reduce 1
-        return h, self.all_reduce(mlp(rms_norm(h, ln2, self.eps), wgu, wd, fuse=self.fuse))   # all-reduce 2
+        h, x = self.all_reduce_add_norm(F.linear(a.reshape(B, Hl * D), wo), h, ln2, 0)       # all-reduce 1
+        return self.all_reduce_add_norm(mlp(x, wgu, wd, fuse=self.fuse), h, ln_next, 1)      # all-reduce 2
 
-    def finish(self, h, delta):
-        """The last norm, this rank's part of the vocabulary, the all-gather of the logits, the greedy next token;
-        advances the position."""
-        x = rms_norm(h + delta, self.norm, self.eps)
+    def finish(self, x):
+        """`x`, the last layer's output after the final norm: this rank's part of the vocabulary, the all-gather of
+        the logits, the greedy next token; advances the position."""
         logits = self.all_gather_logits(F.linear(x, self.lm_head))
         self.logits.copy_(logits)
         self.token.copy_(logits.argmax(-1))
@@ -367,11 +375,12 @@ class TPLlama(torch.nn.Module):
         """One greedy step on the buffers: logits of `token` at `pos`, next token, pos + 1. `fns`: compiled
         (head, layer, finish), else these methods."""
         head, layer, finish = fns or (self.head, self.layer, self.finish)
-        h, delta, cos, sin, mask = head(self.token, self.pos)
-        for L in self.layers:
-            h, delta = layer(h, delta, cos, sin, mask, self.pos, L.ln1, L.wqkv, L.wo, L.ln2, L.wgu, L.wd,
-                             L.k_cache, L.v_cache)
-        finish(h, delta)
+        h, x, cos, sin, mask = head(self.token, self.pos)
+        norms = [L.ln1 for L in self.layers[1:]] + [self.norm]
+        for L, ln_next in zip(self.layers, norms):
+            h, x = layer(h, x, cos, sin, mask, self.pos, L.wqkv, L.wo, L.ln2, L.wgu, L.wd, ln_next,
+                         L.k_cache, L.v_cache)
+        finish(x)
 
     def reset(self, pos: int = 0, token: int | None = None):
         self.pos.fill_(pos)
@@ -390,7 +399,9 @@ def _sync(device):
 class Variant:
     """How a step runs: "eager" (Python, one launch per operation) or "graph" (each of head, layer, finish compiled
     by torch.compile, the whole step, collectives included, captured in one CUDA/HIP graph); fused or separate
-    q/k/v and gate/up products; NCCL's all-reduce or the one-shot one over symmetric memory; inductor's
+    q/k/v and gate/up products; NCCL's all-reduce, PyTorch's one-shot one over symmetric memory ("symm"), or the
+    course's one-shot kernel fused with the residual add and RMSNorm after it ("arnorm", `utils.multigpu.oneshot`);
+    inductor's
     coordinate-descent tuning of its kernels (with it, torch.compile also writes the one-row products as its own
     kernels, fused with the norms and activations around them). Written like "graph+symm+tuned" (`Variant.parse`)."""
     mode: str = "eager"
@@ -406,13 +417,16 @@ class Variant:
         unknown = set(flags) - set(FLAGS)
         if unknown:
             raise ValueError(f"variant {text!r}: unknown {sorted(unknown)}; use {'+'.join(FLAGS)} after the mode")
+        if {"symm", "arnorm"} <= set(flags):
+            raise ValueError(f"variant {text!r}: choose one all-reduce, symm or arnorm")
         if mode == "eager" and "tuned" in flags:
             raise ValueError(f"variant {text!r}: 'tuned' tunes compiled kernels (graph mode only)")
-        return cls(mode, "unfused" not in flags, "symm" if "symm" in flags else "nccl", "tuned" in flags)
+        comm = next((f for f in ("symm", "arnorm") if f in flags), "nccl")
+        return cls(mode, "unfused" not in flags, comm, "tuned" in flags)
 
     @property
     def name(self) -> str:
-        return "+".join([self.mode] + ["unfused"] * (not self.fuse) + ["symm"] * (self.comm == "symm")
+        return "+".join([self.mode] + ["unfused"] * (not self.fuse) + [self.comm] * (self.comm != "nccl")
                         + ["tuned"] * self.tune)
 
     def describe(self) -> str:
@@ -420,10 +434,12 @@ class Variant:
         parts += ", q/k/v and gate/up fused" if self.fuse else ", q/k/v and gate/up separate"
         if self.comm == "symm":
             parts += ", one-shot all-reduce (symmetric memory)"
+        if self.comm == "arnorm":
+            parts += ", one-shot all-reduce + add + RMSNorm in one kernel (Triton, symmetric memory)"
         return parts + (", kernels tuned" if self.tune else "")
 
 
-FLAGS = ("unfused", "symm", "tuned")
+FLAGS = ("unfused", "symm", "arnorm", "tuned")
 
 
 def make_step(model, mode: str | Variant = "eager", *, tune: bool = False):
@@ -568,15 +584,18 @@ def _record(fn):
 
 
 def _comm_for(variant: Variant, model, comms: dict, group, device):
-    """The communication object of `variant` on this rank: NCCL's (made once), or the symmetric-memory one (made once,
+    """The communication object of `variant` on this rank: NCCL's (made once), or a symmetric-memory one (made once,
     collectively: every rank reaches this call for the same variant); None on one rank."""
     if model.world == 1:
         return None
-    if variant.comm == "symm":
-        if "symm" not in comms:
-            hidden = model.config.hidden_size
-            comms["symm"] = SymmMemCollectives(group, numel=model.batch * hidden, dtype=model.dtype, device=device)
-        return comms["symm"]
+    hidden = model.config.hidden_size
+    if variant.comm == "symm" and "symm" not in comms:
+        comms["symm"] = SymmMemCollectives(group, numel=model.batch * hidden, dtype=model.dtype, device=device)
+    if variant.comm == "arnorm" and "arnorm" not in comms:
+        comms["arnorm"] = OneShotNormCollectives(group, rows=model.batch, hidden=hidden, dtype=model.dtype,
+                                                 device=device)
+    if variant.comm != "nccl":
+        return comms[variant.comm]
     if "nccl" not in comms:
         comms["nccl"] = Collectives(group)
     return comms["nccl"]
@@ -598,13 +617,14 @@ def run_hand(model_dir, tokens, *, rank, world, group, device, dtype, decode, pl
     for batch, variants in plans:
         if batch != model.batch:
             model.set_batch(batch)
-            comms.pop("symm", None)           # its buffer holds one batch's hidden vectors
+            comms.pop("symm", None)           # their buffers hold one batch's hidden vectors
+            comms.pop("arnorm", None)
         entries = results["batches"][str(batch)] = {}
         for name in variants:
             variant = Variant.parse(name)
             entry = entries[variant.name] = {"describe": variant.describe()}
             why = symm_skip_reason(device) or ("one rank: there is nothing to all-reduce" if world == 1 else None)
-            if variant.comm == "symm" and why:
+            if variant.comm != "nccl" and why:
                 entry["skip"] = why
                 continue
             if variant.mode == "graph" and torch.device(device).type != "cuda":

@@ -295,3 +295,39 @@ def test_the_load_figures_show_a_level_that_measured_nothing():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_capacity_is_the_most_the_closed_loop_held_within_the_slo():
+    slo = dict(slo_ttft_s=0.3, slo_tpot_s=0.05)
+    fast = [synthetic_stream(10.0 + i, 0.1, 0.02, 11) for i in range(8)]        # 8 requests in 10 s, within the SLO
+    slow = [synthetic_stream(10.0 + i / 2, 0.5, 0.1, 11) for i in range(16)]    # 16, every one past it
+    c1, c8 = loadgen.Level("concurrency", 1, (10.0, 20.0), fast), loadgen.Level("concurrency", 8, (10.0, 20.0), slow)
+    assert loadgen.capacity([c1, c8], **slo) == (approx(0.8), "goodput at c=1")
+    rate, how = loadgen.capacity([c8], **slo)               # none within it: the busiest level's completions
+    assert rate == approx(1.6) and "no level within the SLO" in how
+    empty = loadgen.Level("concurrency", 1, (10.0, 20.0), [])
+    assert loadgen.capacity([empty], **slo) == (0.0, "c=1 completed no request")
+
+
+def test_past_capacity_doubles_the_rate_until_ttft_grows(monkeypatch):
+    def level_at(rate, ttft):
+        return loadgen.Level("rate", rate, (10.0, 20.0), [synthetic_stream(10.0 + i, ttft, 0.02, 4) for i in range(9)])
+
+    knee = {"rate": 8.0}
+    sent = []
+
+    def fake_sweep(server, mode, loads, requests, **kw):
+        sent.append(loads[0])
+        return [level_at(loads[0], 0.1 if loads[0] < knee["rate"] else 0.5)]
+
+    monkeypatch.setattr(loadgen, "sweep", fake_sweep)
+    run = dict(duration_s=10.0, warmup_s=1.0)
+    below = [level_at(2.0, 0.1), level_at(3.0, 0.1)]
+    added = loadgen.past_capacity(None, below, [], budget_s=100.0, **run)
+    assert sent == [6.0, 12.0] and [lv.load for lv in added] == [6.0, 12.0]    # 12 req/s: TTFT p90 5x the first's
+    sent.clear()
+    knee["rate"] = 1e9                                                         # it never grows: three levels at most
+    assert [lv.load for lv in loadgen.past_capacity(None, below, [], budget_s=100.0, **run)] == [6.0, 12.0, 24.0]
+    sent.clear()
+    assert loadgen.past_capacity(None, below, [], budget_s=15.0, **run) and sent == [6.0]     # room for one level
+    assert loadgen.past_capacity(None, [level_at(2.0, 0.1), level_at(9.0, 0.5)], [], budget_s=100.0, **run) == []

@@ -47,6 +47,10 @@ def test_real_completions_load_tests_and_a_clean_stop(smollm2, tmp_path):
         assert engine_pids and all(server_environ(p)["HF_HUB_OFFLINE"] == "1" for p in engine_pids)
         answer = serving.chat(server, question, max_tokens=12)
         count = serving.chat(server, "Count to twenty.", max_tokens=12)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):            # lab 05's probe on a busy machine: the caller's limit, no diagnosis
+            serving.chat(server, "Count to twenty.", max_tokens=12, timeout=0.001)
+        assert time.monotonic() - t0 < 5
         # levels sized from a measured 12-token request, with room for requests several times slower (a busy
         # machine's load changes): at c=1 a level measures nothing if one request outlasts its whole window
         one = count.latency_s / count.output_tokens * 12

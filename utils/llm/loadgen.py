@@ -430,6 +430,44 @@ def sweep(server, mode: str, loads: Sequence[float], requests: Sequence[Request]
     return levels
 
 
+def capacity(closed: Sequence[Level], *, slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, str]:
+    """Requests/s the server holds, from closed-loop levels: the highest goodput (requests/s within the SLO) a level
+    reached; the busiest level's completion rate when no level met the SLO. Returns (rate, how it was found)."""
+    best, how = 0.0, ""
+    for lv in closed:
+        s = lv.summary(slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        if not completed_nothing(s) and s["goodput_requests_per_s"] > best:
+            best, how = s["goodput_requests_per_s"], f"goodput at c={s['load']:g}"
+    if best > 0 or not closed:
+        return best, how
+    s = closed[-1].summary()
+    if completed_nothing(s):
+        return 0.0, f"c={s['load']:g} completed no request"
+    return s["requests_per_s"], f"requests/s at c={s['load']:g}, no level within the SLO"
+
+
+def past_capacity(server, levels: list[Level], requests: Sequence[Request], *, grow: float = 3.0,
+                  factor: float = 2.0, most: int = 3, budget_s: float, seed: int = 200, **run) -> list[Level]:
+    """More open-loop levels after ``levels`` (request rates, lowest first), each ``factor`` times the rate before, at
+    most ``most`` of them and within ``budget_s`` seconds, until one's TTFT p90 is at least ``grow`` times the first
+    level's: past capacity, where requests queue. Returns the levels added (none when the queue already shows)."""
+    def ttft_p90(lv):
+        t = lv.summary()["ttft"]
+        return t["p90"] if t.get("n") else math.nan
+
+    added, used = [], 0.0
+    base = ttft_p90(levels[0]) if levels else math.nan
+    while len(added) < most and math.isfinite(base):
+        top = (added or levels)[-1]
+        if ttft_p90(top) >= grow * base or used + run.get("warmup_s", 0) + run["duration_s"] > budget_s:
+            break
+        more = sweep(server, "rate", [top.load * factor], requests, seed=seed + len(added), progress=False,
+                     budget_s=budget_s - used, **run)
+        added += more
+        used += more[-1].duration_s + run.get("warmup_s", 0)
+    return added
+
+
 # ---- the streaming client (OpenAI-compatible chat completions) -------------------------------------
 
 def _client(headers: dict | None = None):
@@ -482,12 +520,13 @@ async def _client_level(base_url, model, max_tokens, extra, mode, load, requests
 
 
 async def one_request(base_url: str, model: str, prompt: str, max_tokens: int, extra_body=None,
-                      headers: dict | None = None) -> Stream:
-    """One streamed chat completion (errors propagate); ``headers``: the server's key."""
+                      headers: dict | None = None, timeout: float | None = None) -> Stream:
+    """One streamed chat completion (errors propagate; TimeoutError after ``timeout`` seconds); ``headers``: the
+    server's key."""
     s = Stream(Request(prompt, 0), scheduled=time.perf_counter())
     async with _client(headers) as client:
         s.scheduled = time.perf_counter()
-        await stream_chat(client, base_url, model, s, max_tokens, extra_body)
+        await asyncio.wait_for(stream_chat(client, base_url, model, s, max_tokens, extra_body), timeout)
     return s
 
 

@@ -246,9 +246,10 @@ class Server:
                                      stop_timeout=self.stop_timeout, label=f"{self.engine.name} server",
                                      extra={"port": self.port}).start()
         self.pgid = self.owned.pgid
+        deadline = time.monotonic() + self.startup_timeout     # healthy and one token generated, both within it
         try:
-            self._wait_healthy()
-            self.probe(timeout=max(60.0, self.startup_timeout / 4))
+            self._wait_healthy(deadline)
+            self.probe(timeout=max(5.0, deadline - time.monotonic()))
         except BaseException:
             self._stop_engine()
             raise
@@ -258,9 +259,8 @@ class Server:
         return ServerError(f"the lab 05 server ({self.engine.name}) exited (code {self.owned.returncode}){when}; "
                            f"last lines of its log ({self.log_path}):\n{self.log_tail()}")
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, deadline: float) -> None:
         url = f"http://{self.host}:{self.port}/health"
-        deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.owned.poll() is not None:
                 raise self._dead_error(" before it was healthy")
@@ -434,7 +434,7 @@ class Server:
         try:
             return _run(coro)
         except Exception as exc:
-            if isinstance(exc, (RequestRejected, ServerError)):
+            if isinstance(exc, (RequestRejected, ServerError, TimeoutError)):   # a time limit the caller set
                 raise
             try:
                 self.probe(timeout=30)
@@ -460,12 +460,12 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def chat(server: Server, prompt: str, max_tokens: int = 64) -> RequestResult:
-    """One streamed chat completion (refused with RequestRejected if the server cannot hold it). The load
-    tests are in ``utils.llm.loadgen``."""
+def chat(server: Server, prompt: str, max_tokens: int = 64, timeout: float | None = None) -> RequestResult:
+    """One streamed chat completion (refused with RequestRejected if the server cannot hold it; TimeoutError when it
+    has not ended after ``timeout`` seconds). The load tests are in ``utils.llm.loadgen``."""
     server.validate(prompt, max_tokens)
     s = server.run_client(loadgen.one_request(server.base_url, server.served_name, prompt, max_tokens,
-                                              headers=server.headers))
+                                              headers=server.headers, timeout=timeout))
     n = s.output_tokens or sum(k for _, k in loadgen.count_chunk_tokens(s.chunks, server.tokenizer()))
     m = loadgen.request_metrics(s.scheduled, loadgen.count_chunk_tokens(s.chunks, server.tokenizer()), s.last_token, n)
     return RequestResult(ttft_s=m["ttft"], latency_s=m["e2e"], output_tokens=n, itl_s=m["itl"], text=s.text)

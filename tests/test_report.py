@@ -268,6 +268,16 @@ def test_committed_h100_reference_is_well_formed():
 def test_markdown_table():
     assert plots.markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == \
         "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"
+    assert plots.markdown_table(["a|b"], [["x | y\nz"]]) == "| a\\|b |\n|---|\n| x \\| y z |"
+
+
+def test_a_bar_in_a_label_keeps_the_reports_table_whole(build_dir, h100):
+    """A label with `|` (a learner's, or `SDPA | causal`) stays one cell: the row keeps its five cells and its value."""
+    rec = record.start("00_environment", h100)
+    rec.metric("environment.add_gbps", 3000.0, "GB/s", label="add | fp32", size="n=1")
+    md = report.build_report().read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| add"))
+    assert row.startswith("| add \\| fp32 | n=1 | 3,000 GB/s") and row.replace("\\|", "").count("|") == 6, row
 
 
 def test_report_never_says_ok_for_a_lab_that_did_not_finish_in_the_latest_run(build_dir, h100):
@@ -555,3 +565,43 @@ def test_an_executed_copy_of_a_two_gpu_run_is_stamped_with_its_gpus(tmp_path, h1
     sidecar.write_text(json.dumps({"device": {"name": h100.name, "backend": "cuda"}, "software": {}}))  # one GPU
     stamp = nbformat.read(executed.make_copy(run, tmp_path / "out", solution=sol), as_version=4).metadata[executed.KEY]
     assert stamp["device"] == h100.name and stamp["gpus"] == 1
+
+
+def test_a_prose_only_change_reaches_the_executed_copy_and_a_code_change_does_not(tmp_path, h100):
+    """`executed prose`: a copy whose code cells are its solution's takes the new markdown (its outputs, injected
+    parameters and the commit it ran at stay; the commit of the prose is added) and is current again; a changed
+    code cell leaves it as it was, stale."""
+    import nbformat
+
+    new = nbformat.v4
+    sol = tmp_path / "solutions" / "01_vector_add.ipynb"
+    sol.parent.mkdir()
+    cells = [new.new_markdown_cell("# lab 01", id="m1"), new.new_code_cell("N = 1", id="p1"),
+             new.new_code_cell("print(N)", id="c1"), new.new_markdown_cell("It prints 1.", id="m2")]
+    nbformat.write(new.new_notebook(cells=cells), sol)
+    run = tmp_path / "build" / "executed" / sol.name
+    run.parent.mkdir(parents=True)
+    ran = new.new_notebook(cells=[cells[0], cells[1],
+                                  new.new_code_cell("N = 1", id="inj", metadata={"tags": ["injected-parameters"]}),
+                                  new.new_code_cell("print(N)", id="c1", outputs=[new.new_output("stream", text="1\n")]),
+                                  cells[3]])
+    nbformat.write(ran, run)
+    copy = executed.make_copy(run, tmp_path / "out", solution=sol, device=h100.name)
+    executed_at = nbformat.read(copy, as_version=4).metadata[executed.KEY]["commit"]
+    nb = nbformat.read(sol, as_version=4)
+    nb.cells[3].source = "It prints one."
+    nb.cells.insert(1, new.new_markdown_cell("A new paragraph.", id="m0"))
+    nbformat.write(nb, sol)
+    assert "01_vector_add" in executed.stale(tmp_path / "out", sol.parent)
+    assert executed.take_prose(copy, sol)
+    out = nbformat.read(copy, as_version=4)
+    assert [c.get("id") for c in out.cells] == ["m1", "m0", "p1", "inj", "c1", "m2"]
+    assert out.cells[-1].source == "It prints one." and out.cells[4].outputs[0]["text"] == "1\n"
+    stamp = out.metadata[executed.KEY]
+    assert stamp["commit"] == executed_at and "prose_commit" in stamp
+    assert executed.stale(tmp_path / "out", sol.parent) == {}
+    assert not executed.take_prose(copy, sol)                      # nothing new
+    nb.cells[3].source = "print(N + 1)"                            # code: only a GPU run brings it
+    nbformat.write(nb, sol)
+    assert not executed.take_prose(copy, sol)
+    assert "01_vector_add" in executed.stale(tmp_path / "out", sol.parent)

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 
+def md_cell(value) -> str:
+    """``value`` as one Markdown table cell: a ``|`` escaped (it would end the cell), a line break a space."""
+    return str(value).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table: one row of ``header`` cells, then ``rows`` (cells are formatted with str)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    """A Markdown table: one row of ``header`` cells, then ``rows`` (cells are formatted with str, `md_cell`)."""
+    lines = ["| " + " | ".join(md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(md_cell(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ older than its solution. Huge outputs are left out of a copy (with a line saying
 
     python -m utils.machinery.executed copy build/executed/*.ipynb     # after `make run` on a GPU
     python -m utils.machinery.executed check                            # which copies are missing or stale
+    python -m utils.machinery.executed prose                            # a prose-only change: copies take it
 """
 from __future__ import annotations
 
@@ -43,6 +44,43 @@ def source_hash(nb) -> str:
             continue
         h.update(cell.cell_type.encode() + b"\0" + cell.source.encode() + b"\0")
     return h.hexdigest()
+
+
+def code_hash(nb) -> str:
+    """SHA-256 of a notebook's code sources alone, in order (papermill's injected parameters left out): equal for an
+    executed copy and its solution while only the solution's prose changed."""
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "injected-parameters" not in cell.get("metadata", {}).get("tags", []):
+            h.update(cell.source.encode() + b"\0")
+    return h.hexdigest()
+
+
+def take_prose(copy: Path, solution: Path) -> bool:
+    """Give the executed copy `copy` its solution's markdown when only the prose changed (the code cells are the
+    ones it ran, in order): the copy's code cells and outputs stay, the stamp keeps the commit it was executed at and
+    adds the commit its prose comes from (`prose_commit`). Returns False, changing nothing, when the code differs
+    (the copy is then stale until a GPU run) or the prose is already the solution's."""
+    nb, sol = nbformat.read(copy, as_version=4), nbformat.read(solution, as_version=4)
+    stamp = nb.metadata.get(KEY) or {}
+    if code_hash(nb) != code_hash(sol) or stamp.get("solution_sha256") == source_hash(sol):
+        return False
+    ran = {c.get("id"): (i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    cells = []
+    for cell in sol.cells:
+        if cell.cell_type != "code":
+            cells.append(cell)
+            continue
+        i, done = ran[cell.get("id")]
+        cells.append(done)
+        after = nb.cells[i + 1] if i + 1 < len(nb.cells) else None
+        if after is not None and "injected-parameters" in after.get("metadata", {}).get("tags", []):
+            cells.append(after)
+    nb.cells = cells
+    nb.metadata[KEY] = {**stamp, "solution_sha256": source_hash(sol), "prose_commit": commit(),
+                        "prose_date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    state.write_text_atomic(copy, nbformat.writes(nb) + "\n")
+    return True
 
 
 def git(*args: str) -> str | None:
@@ -152,7 +190,8 @@ def describe(out_dir: Path = COPIES, solutions_dir: Path = SOLUTIONS) -> list[st
             continue
         stamp = nbformat.read(copy, as_version=4).metadata.get(KEY) or {}
         origin = (f"{stamp.get('device', '?')}, commit {str(stamp.get('commit'))[:10]}, {stamp.get('date', '?')[:10]}, "
-                  f"torch {stamp.get('software', {}).get('torch', '?')}")
+                  f"torch {stamp.get('software', {}).get('torch', '?')}"
+                  + (f"; prose from commit {str(stamp['prose_commit'])[:10]}" if stamp.get("prose_commit") else ""))
         lines.append(f"- {solution.stem}: `{rel}` ({origin})"
                      + (f" — **{why[solution.stem]}**" if solution.stem in why else " — current"))
     return lines
@@ -166,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("--out", type=Path, default=COPIES)
     cp.add_argument("--device", help="the GPU's name, if the results sidecars are missing")
     sub.add_parser("check", help="list the copies that are missing or older than their solutions (exit 1)")
+    sub.add_parser("prose", help="give each copy whose code is its solution's the solution's new markdown")
     args = ap.parse_args(argv)
     if args.cmd == "copy":
         for nb in args.notebooks:
             print(make_copy(nb, args.out, device=args.device))
+        return 0
+    if args.cmd == "prose":
+        for solution in sorted(SOLUTIONS.glob("*.ipynb")):
+            if (COPIES / solution.name).exists() and take_prose(COPIES / solution.name, solution):
+                print(f"{COPIES / solution.name}: prose from {solution} (its code cells unchanged)")
         return 0
     for line in describe():
         print(line)

@@ -24,6 +24,7 @@ from utils.base import state
 from utils.base.paths import build_dir
 from utils.device import spec
 from utils.machine import summary
+from utils.plots import md_cell
 from utils.machinery.executed import commit, describe
 from utils.record import (DEFAULT_REFERENCE, device_label, find_reference, gpus_of, load_reference, load_results,
                           record_gpus, reference_metrics, reference_path)
@@ -308,15 +309,16 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
                      else _value(m))
             if m.get("samples"):
                 yours += f"; n={m['samples']}" + (f", spread {m['spread']:.0%}" if "spread" in m else "")
-            out.append(f"| {m.get('label', key)} | {m.get('size', 'not recorded')} | {yours} | "
-                       f"{_theirs(m, ref_metrics.get(key))} | "
-                       f"{verdict(m, ref_metrics.get(key), lab_device, ref_device, same_gpus=same_gpus)} |")
+            cells = [m.get("label", key), m.get("size", "not recorded"), yours, _theirs(m, ref_metrics.get(key)),
+                     verdict(m, ref_metrics.get(key), lab_device, ref_device, same_gpus=same_gpus)]
+            out.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
         rest = {k: m for k, m in ref_metrics.items() if k not in r["metrics"]}
         if rest:
             out += ["", f"{device_label(lab_ref['device'], record_gpus(lab_ref))}'s other figures of this lab "
                         "(no counterpart in your run):", "",
                     "| figure | size | value |", "|---|---|---|"]
-            out += [f"| {m.get('label', k)} | {m.get('size', 'not recorded')} | {_value(m)} |" for k, m in rest.items()]
+            out += ["| " + " | ".join(md_cell(c) for c in (m.get("label", k), m.get("size", "not recorded"), _value(m)))
+                    + " |" for k, m in rest.items()]
         for fig in r.get("figures", []):
             out += ["", f"![{lab}: {Path(fig).stem}](results/{fig})"]
     out += ["", "## Published peaks (dense)", "",

@@ -1,8 +1,11 @@
 """The learner's work/ (utils/machinery/learner.py): a solved, saved copy survives `make labs`; a course update is
 merged into it (answer kept, backup written) or, untouched, replaced; a conflict leaves it as it was; `make test`
 never reads work/; `make progress` says "N of M", in numeric order, passed / failed / not done / changed."""
+import errno
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import nbformat
@@ -72,6 +75,26 @@ def test_a_solved_saved_copy_survives_make_labs_and_workspace(checkout):
     said = learner.workspace(labs, work)
     assert not [line for line in said if LAB00 in line] and (work / LAB00).read_bytes() == saved
     assert len(said) == len(solutions.solution_notebooks()) - 2 and all(": made from " in line for line in said)
+
+
+def test_work_is_private_and_its_copies_whole(checkout, monkeypatch):
+    """work/ is 0700 (a second local user reads no answers; a looser work/ of ours is tightened), and a copy that
+    fails (a full disk) leaves no half-written notebook behind."""
+    labs, work = checkout
+    assert stat.S_IMODE(work.stat().st_mode) == 0o700
+    work.chmod(0o755)
+    (work / LAB01).unlink()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)          # the disk fills as the copy is flushed
+    with pytest.raises(OSError, match="No space left"):
+        learner.workspace(labs, work)
+    monkeypatch.undo()
+    assert stat.S_IMODE(work.stat().st_mode) == 0o700
+    assert not (work / LAB01).exists() and not list(work.glob(f".{LAB01}.*.tmp"))
+    assert learner.workspace(labs, work) == [f"{work / LAB01}: made from {labs / LAB01}"]
 
 
 def test_update_merges_a_course_change_into_the_answer_and_replaces_an_untouched_copy(checkout):

@@ -25,7 +25,7 @@ import nbformat
 
 from utils import exercises, solutions
 from utils.base import state
-from utils.base.paths import REPO_ROOT, build_dir, run_environment
+from utils.base.paths import REPO_ROOT, build_dir, private_dir, run_environment
 
 WORK = REPO_ROOT / "work"
 CELL_TIMEOUT = 1800   # seconds one cell may run under `progress --run` (as the harness's runs)
@@ -76,12 +76,12 @@ def workspace(labs: Path = solutions.LABS, work: Path = WORK) -> list[str]:
     """Copy each notebook of labs/ that work/ lacks (recording its base); never touch one that exists. Returns
     what it did and, per notebook, whether the course has a newer version."""
     lines = []
-    work.mkdir(parents=True, exist_ok=True)
+    private_dir(work)                    # 0700: another local user reads no learner's answers
     versions = _versions(work)
     for course in _course_notebooks(labs):
         mine = work / course.name
         if not mine.exists():
-            shutil.copyfile(course, mine)
+            state.write_text_atomic(mine, course.read_text())     # whole or not at all (a full disk: no half copy)
             _set_base(work, course.name, course)
             lines.append(f"{_rel(mine)}: made from {_rel(course)}")
         elif course.name not in versions:

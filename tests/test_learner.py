@@ -2,6 +2,7 @@
 merged into it (answer kept, backup written) or, untouched, replaced; a conflict leaves it as it was; `make test`
 never reads work/; `make progress` says "N of M", in numeric order, passed / failed / not done / changed."""
 import errno
+import json
 import os
 import re
 import shutil
@@ -176,3 +177,45 @@ def test_progress_says_n_of_m_in_numeric_order_with_each_state(build_dir, tmp_pa
         "passed", "failed", "changed since graded", "not done", "passed"]
     assert "count a matmul's operations" in rows["0.1"] and rows["0.1"].endswith("00_environment.ipynb")
     assert "paged decode attention" in rows["5.5"] and rows["5.5"].rstrip().endswith("05_llm_serving.ipynb")
+
+
+def test_wrong_shaped_progress_and_an_unreadable_copy_are_named_not_tracebacks(build_dir, tmp_path, monkeypatch):
+    """A progress file of the wrong shape does not stop grading (its part starts again, the file named) nor
+    `make progress`; a notebook in work/ that is not UTF-8 is named with the fix, and the other labs still count."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    exercises.progress_path().parent.mkdir(parents=True, exist_ok=True)
+    exercises.progress_path().write_text(json.dumps({"work": ["not", "an", "object"], "labs": {"00_environment": 3}}))
+    assert "of" in learner.progress_table(work=work).splitlines()[0]          # read as no verdicts
+    with pytest.warns(UserWarning, match=r"progress.json: its 'work' entry is not a JSON object"):
+        assert exercises.Lab("00_environment").grade("0.1", "count", lambda: None)
+    saved = json.loads(exercises.progress_path().read_text())
+    assert saved["work"]["00_environment"]["0.1"]["status"] == "passed" and saved["labs"] == {"00_environment": 3}
+    (work / LAB01).write_bytes(b"\xff\xfe not a notebook")
+    lines = learner.progress_table(work=work).splitlines()
+    assert any(LAB01 in line and "cannot be read as a notebook" in line and "make workspace" in line for line in lines)
+    assert any(line.startswith("1 of ") for line in lines)
+
+
+@pytest.mark.parametrize("fault", ["missing base", "unreadable copy", "dangling backup link"])
+def test_an_update_that_cannot_merge_one_lab_names_it_and_updates_the_others(checkout, fault):
+    labs, work = checkout
+    answer_in(work / LAB00, "0.1", region_code("00")["0.1"].strip())
+    answer_in(work / LAB01, "1.1", "return 0")
+    course_update(labs / LAB00, "updated in lab 00")
+    course_update(labs / LAB01, "updated in lab 01")
+    if fault == "missing base":
+        (work / ".course" / LAB00).unlink()
+        words = "merge base"
+    elif fault == "unreadable copy":
+        (work / LAB00).write_bytes(b"\xff\xfe not a notebook")
+        words = "cannot be read as a notebook"
+    else:
+        (work / ".backup").symlink_to(work / "gone")
+        words = "is a link"
+    lines, ok = learner.update(labs, work)
+    assert not ok and any(LAB00 in line and words in line for line in lines), lines
+    if fault != "dangling backup link":      # the other lab is merged; with no backup folder nothing is
+        assert any(LAB01 in line and "merged" in line for line in lines), lines
+        assert "updated in lab 01" in (work / LAB01).read_text()

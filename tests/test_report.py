@@ -605,3 +605,18 @@ def test_a_prose_only_change_reaches_the_executed_copy_and_a_code_change_does_no
     nbformat.write(nb, sol)
     assert not executed.take_prose(copy, sol)
     assert "01_vector_add" in executed.stale(tmp_path / "out", sol.parent)
+
+
+def test_state_files_of_the_wrong_shape_are_named_and_the_report_still_builds(build_dir, h100):
+    """Valid JSON of the wrong shape (a hand edit, another program's file): named in a warning, left out."""
+    record.start("00_environment", h100).metric("environment.add_gbps", 3000.0, "GB/s", label="add", size="n=1")
+    (build_dir / "results" / "01_vector_add.json").write_text(json.dumps({"lab": "01_vector_add", "metrics": [1]}))
+    (build_dir / "results" / "02_wavefront_vs_warp.json").write_text(json.dumps({"metrics": {}, "figures": "x"}))
+    (build_dir / "status.json").write_text(json.dumps({"run": "x", "labs": {"00_environment": 3}}))
+    with pytest.warns(UserWarning) as caught:
+        md = report.build_report().read_text()
+    said = " ".join(str(w.message) for w in caught)
+    assert "01_vector_add.json has the wrong shape ('metrics' is not an object of objects)" in said
+    assert "02_wavefront_vs_warp.json has the wrong shape ('figures' is not a list)" in said
+    assert "status.json has parts of the wrong shape (00_environment)" in said
+    assert "3,000 GB/s" in md

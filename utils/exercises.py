@@ -25,6 +25,7 @@ import inspect
 import os
 import re
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -309,7 +310,15 @@ def _record(exercise: str, title: str, status: str, *, lab: str, answer: dict | 
         entry = {"title": title, "status": status, "when": stamp, "pid": os.getpid()}
         if answer:
             entry["answer"] = answer
-        data.setdefault(where, {}).setdefault(lab, {})[exercise] = entry
+        section = data
+        for key in (where, lab):          # a part of the wrong shape (edited by hand?) starts again, said so
+            if not isinstance(section.get(key), dict):
+                if key in section:
+                    warnings.warn(f"progress file {progress_path()}: its {key!r} entry is not a JSON object; it "
+                                  "starts again (delete the file to start every lab again)", stacklevel=2)
+                section[key] = {}
+            section = section[key]
+        section[exercise] = entry
         return data
 
     try:

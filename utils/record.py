@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -244,9 +245,26 @@ def load_results(root: Path | None = None) -> dict[str, dict]:
     found = {}
     for p in sorted(root.glob("*.json")):
         data = state.read_json(p, None, what="results sidecar", shape=dict)
-        if isinstance(data, dict):
-            found[p.stem] = data
+        if not isinstance(data, dict):
+            continue
+        wrong = _sidecar_shape_error(data)
+        if wrong:
+            warnings.warn(f"results sidecar {p} has the wrong shape ({wrong}); left out (its lab's next run rewrites "
+                          "it)", stacklevel=2)
+            continue
+        found[p.stem] = data
     return found
+
+
+def _sidecar_shape_error(data: dict) -> str | None:
+    """What is of the wrong shape in a sidecar (edited by hand, or another program's), or None."""
+    metrics = data.get("metrics", {})
+    if not isinstance(metrics, dict) or not all(isinstance(m, dict) for m in metrics.values()):
+        return "'metrics' is not an object of objects"
+    for key in ("figures", "warnings"):
+        if not isinstance(data.get(key, []), list):
+            return f"{key!r} is not a list"
+    return None
 
 
 def load_reference(name: str = "h100") -> dict | None:

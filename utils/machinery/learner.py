@@ -110,6 +110,11 @@ def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], b
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     for name in newer(labs, work):
         course, mine, base = labs / name, work / name, _base(work, name)
+        blocked = _update_blocked(work, mine, base)
+        if blocked:                      # named with its fix; the other notebooks are still updated
+            ok = False
+            lines.append(blocked)
+            continue
         if _hash(mine) == _hash(base):
             state.write_text_atomic(mine, course.read_text())
             _set_base(work, name, course)
@@ -134,6 +139,25 @@ def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], b
         _set_base(work, name, course)
         lines.append(f"{_rel(mine)}: merged the course's new version into your answers (yours before: {_rel(backup)})")
     return lines, ok
+
+
+def _update_blocked(work: Path, mine: Path, base: Path) -> str | None:
+    """Why `make update` cannot merge into `mine` (a missing merge base, a notebook that cannot be read, a broken
+    work/.backup), as a line naming the file and the fix; None when it can."""
+    if not base.is_file():
+        return (f"{_rel(mine)}: its merge base {_rel(base)} is missing, so `make update` cannot merge the course's new "
+                f"version into it; rename your copy, run `make workspace` for a fresh one, and copy your answers over")
+    backups = work / ".backup"
+    if backups.is_symlink() or (backups.exists() and not backups.is_dir()):
+        return (f"{_rel(mine)}: not updated: {_rel(backups)} is {'a link' if backups.is_symlink() else 'not a folder'},"
+                f" where `make update` keeps your notebooks before a merge; remove it and run `make update` again")
+    for path in (mine, base):
+        try:
+            nbformat.read(path, as_version=solutions.NB_VERSION)
+        except (OSError, ValueError) as exc:
+            return (f"{_rel(mine)}: not updated: {_rel(path)} cannot be read as a notebook ({type(exc).__name__}); "
+                    f"restore it (your earlier versions are in {_rel(backups)}) or rename it and run `make workspace`")
+    return None
 
 
 def _conflicts(merged, decisions) -> list[str]:
@@ -210,6 +234,11 @@ def run_work(work: Path = WORK, cell_timeout: float = CELL_TIMEOUT) -> list[str]
     return lines
 
 
+def _object(value) -> dict:
+    """`value` if it is a JSON object, else {} (a progress file of the wrong shape reads as no verdicts)."""
+    return value if isinstance(value, dict) else {}
+
+
 def progress_table(run: bool = False, work: Path = WORK, cell_timeout: float = CELL_TIMEOUT) -> str:
     """"N of M exercises done", then each exercise in numeric order: its short title, its state (passed,
     failed, not done, changed since graded) and the learner's file to open. `run`: execute work/ first."""
@@ -217,7 +246,7 @@ def progress_table(run: bool = False, work: Path = WORK, cell_timeout: float = C
     if run:
         head = run_work(work, cell_timeout)
     seen = state.read_json(exercises.progress_path(), {}, what="progress file", shape=dict) or {}
-    verdicts = seen.get(work.name, {})
+    verdicts = _object(seen.get(work.name))
     rows = []
     for path in solutions.solution_notebooks():
         nb = solutions.read(path)
@@ -226,16 +255,21 @@ def progress_table(run: bool = False, work: Path = WORK, cell_timeout: float = C
         for region in solutions.regions(nb, path.name):
             functions.setdefault(region.exercise, []).append(region.function)
         mine = work / path.name
-        learner = nbformat.read(mine, as_version=solutions.NB_VERSION) if mine.exists() else None
+        try:
+            learner = nbformat.read(mine, as_version=solutions.NB_VERSION) if mine.exists() else None
+        except (OSError, ValueError) as exc:     # not UTF-8, not a notebook: named, the other labs go on
+            head.append(f"{_rel(mine)} cannot be read as a notebook ({type(exc).__name__}: {str(exc)[:120]}): restore "
+                        f"it from {_rel(work / '.backup')} or rename it and run `make workspace` for a fresh copy")
+            learner = None
         for ex_id, todo in todos.items():
-            entry = verdicts.get(path.stem, {}).get(ex_id) or {}
+            entry = _object(_object(verdicts.get(path.stem)).get(ex_id))
             status = entry.get("status") if entry.get("status") in STATES else "not done"
             if status in ("passed", "failed") and changed_since_graded(entry.get("answer") or {},
                                                                       functions.get(ex_id, []), learner):
                 status = "changed since graded"
             title = titles.get(ex_id) or entry.get("title") or _short(re.sub(r"^TODO\([^)]*\):?\s*", "", todo))
-            speed = verdicts.get(path.stem, {}).get(f"{ex_id} speed")
-            note = f" (speed target: {speed['status']})" if speed and status == "passed" else ""
+            speed = _object(_object(verdicts.get(path.stem)).get(f"{ex_id} speed"))
+            note = f" (speed target: {speed.get('status')})" if speed and status == "passed" else ""
             rows.append((_number(ex_id), ex_id, _short(title), status + note, _rel(mine)))
     rows.sort()
     done = sum(1 for row in rows if row[3].startswith("passed"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import markdown
@@ -40,9 +41,16 @@ PUBLISHED_MEASURED = {
 def load_status(build: Path | None = None) -> dict:
     """The harness's status.json ({"run": ..., "labs": ...}); missing, corrupt (with a warning) or of an
     old format -> no labs."""
-    data = state.read_json(Path(build or build_dir()) / "status.json", {}, what="run status", shape=dict)
+    path = Path(build or build_dir()) / "status.json"
+    data = state.read_json(path, {}, what="run status", shape=dict)
     if not isinstance(data, dict) or not isinstance(data.get("labs"), dict):
         data = {}
+    bad = [k for k, v in data.get("labs", {}).items() if not isinstance(v, dict)]
+    if bad or not isinstance(data.get("run", {}), dict):
+        warnings.warn(f"run status {path} has parts of the wrong shape ({', '.join(bad) or 'run'}); they are left out "
+                      "(the next `make run` rewrites the file)", stacklevel=2)
+        data = {"labs": {k: v for k, v in data["labs"].items() if k not in bad},
+                **({"run": data["run"]} if isinstance(data.get("run"), dict) else {})}
     data.setdefault("labs", {})
     return data
 

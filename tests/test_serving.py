@@ -433,3 +433,21 @@ def test_the_guard_refuses_json_nested_past_pythons_stack_and_raises_the_open_fi
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("seed, ok", [(7, True), (2**63 - 1, True), (2**70, False), (-1, False), ("3", False),
+                                      (True, False)])
+def test_the_guard_refuses_a_seed_the_engine_cannot_take_with_a_reason(seed, ok):
+    from utils.llm import guard
+
+    class Tok:
+        def apply_chat_template(self, messages, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+    limits = guard.Limits(2048, tokenizer=Tok())
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": seed}
+    if ok:
+        assert limits.bound("/v1/chat/completions", body)["seed"] == seed
+    else:
+        with pytest.raises(guard.Refused, match=r"seed=.* must be a whole number from 0 to 2\*\*63 - 1"):
+            limits.bound("/v1/chat/completions", body)

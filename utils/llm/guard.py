@@ -94,6 +94,9 @@ class Limits:
         body["max_tokens"] = wanted
         if body.get("n") not in (None, 1):
             raise Refused(400, "n must be 1 on this server")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise Refused(400, f"seed={seed!r} must be a whole number from 0 to 2**63 - 1")   # torch's generator range
         if body.get("generation_config") is not None:
             try:
                 config = json.loads(body["generation_config"])

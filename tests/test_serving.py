@@ -451,3 +451,33 @@ def test_the_guard_refuses_a_seed_the_engine_cannot_take_with_a_reason(seed, ok)
     else:
         with pytest.raises(guard.Refused, match=r"seed=.* must be a whole number from 0 to 2\*\*63 - 1"):
             limits.bound("/v1/chat/completions", body)
+
+
+def test_a_request_during_the_watchdogs_restart_waits_for_the_new_engine(tmp_path, monkeypatch):
+    """While the watchdog restarts a dead engine (the new one loading), a request waits for it instead of finding
+    the port not yet its own ("another process took the port")."""
+    import threading
+
+    server = serving.Server(serving.find_engine("transformers") or serving.Engine("transformers", sys.executable),
+                            tmp_path, log_path=tmp_path / "log", watch_every=None)
+    holds = {"ours": False}
+    monkeypatch.setattr(server, "ours", lambda: holds["ours"])
+    monkeypatch.setattr(serving, "_run", lambda coro: (coro.close(), "answered")[1])
+
+    def restart():                       # what _restart does, with a 0.5 s load in place of an engine's
+        server._restarting.set()
+        with server._lifecycle:
+            started.set()
+            time.sleep(0.5)
+            holds["ours"] = True
+        server._restarting.clear()
+
+    async def request():
+        return None
+
+    started = threading.Event()
+    t = threading.Thread(target=restart)
+    t.start()
+    started.wait(5)
+    assert server.run_client(request()) == "answered"
+    t.join()

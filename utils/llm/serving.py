@@ -200,6 +200,7 @@ class Server:
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lifecycle = threading.RLock()    # start/stop from the notebook and from the watchdog
+        self._restarting = threading.Event()   # set while the watchdog restarts the engine
 
     @property
     def headers(self) -> dict[str, str]:
@@ -303,10 +304,22 @@ class Server:
 
     def _restart(self, why: str) -> None:
         print(f"WARNING: {why}; restarting it", flush=True)
-        with self._lifecycle:
-            self._stop_engine()
-            self._start()
+        self._restarting.set()
+        try:
+            with self._lifecycle:
+                self._stop_engine()
+                self._start()
+        finally:
+            self._restarting.clear()
         self.restarts.append(why)
+
+    def _settle(self) -> None:
+        """Wait while the watchdog restarts the engine (its new process loads, up to ``startup_timeout``): a request
+        then goes to the new engine, instead of finding the port not yet its own."""
+        if self._restarting.is_set():
+            print(f"the {self.engine.name} engine is being restarted by the watchdog; waiting for it", flush=True)
+            with self._lifecycle:
+                pass
 
     def ours(self) -> bool:
         """Whether the process listening on the port is this server's engine (it carries its nonce): nothing
@@ -425,6 +438,7 @@ class Server:
         """Run a client coroutine against this server (from plain code or a notebook); if it fails, say
         whether the server died or is wedged (ServerError with its log) rather than a bare connection error.
         Nothing is sent (the key, the prompts) unless the port is still this server's."""
+        self._settle()
         if not self.ours():
             coro.close()
             if self.owned is None or self.owned.poll() is not None:

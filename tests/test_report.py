@@ -620,3 +620,18 @@ def test_state_files_of_the_wrong_shape_are_named_and_the_report_still_builds(bu
     assert "02_wavefront_vs_warp.json has the wrong shape ('figures' is not a list)" in said
     assert "status.json has parts of the wrong shape (00_environment)" in said
     assert "3,000 GB/s" in md
+
+
+def test_a_value_above_its_peak_is_drawn_hollow_with_the_reason():
+    """Noise is not drawn as data: a bar above its peak (lab 00's "107 % of peak") or one given a reason is hollow,
+    hatched, and says why; a plausible one is solid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = plots.achieved_vs_peak([("add", 3.2, 3.0, "TB/s"), ("copy", 2.5, 3.0, "TB/s"),
+                                  ("mm", 500.0, 989.0, "TFLOP/s", "the clock fell during the measurement")])
+    above, fine, told = fig.axes
+    assert above.patches[0].get_facecolor()[3] == 0 and above.patches[0].get_hatch() == "//"
+    assert "107% of the peak: above it" in above.get_xlabel()
+    assert fine.patches[0].get_facecolor()[3] == 1 and fine.get_xlabel() == ""
+    assert "the clock fell" in told.get_xlabel() and told.patches[0].get_hatch() == "//"

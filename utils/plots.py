@@ -1,6 +1,8 @@
 """Plots and Markdown tables shared by the labs."""
 from __future__ import annotations
 
+import math
+
 
 def md_cell(value) -> str:
     """``value`` as one Markdown table cell: a ``|`` escaped (it would end the cell), a line break a space."""
@@ -18,21 +20,41 @@ def _fmt(v: float) -> str:
     return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+def invalid_reason(achieved: float, peak: float | None) -> str | None:
+    """Why a measured value cannot be a measurement of what it says (above the peak it is set against, or not a
+    finite positive number), or None."""
+    if not math.isfinite(achieved) or achieved <= 0:
+        return "not a finite positive value"
+    if peak and achieved > peak:
+        return (f"{achieved / peak:.0%} of the peak: above it, so not a measurement of the work alone "
+                "(the timer, the clock or a cache)")
+    return None
+
+
 def achieved_vs_peak(items, title: str = ""):
-    """One bar pair per item: `items` is a list of (what, achieved, peak or None, unit).
+    """One bar pair per item: `items` is a list of (what, achieved, peak or None, unit[, reason]); `reason` (or
+    `invalid_reason`) marks a value as unreliable: its bar is drawn hollow and hatched, the reason under it.
     Returns the matplotlib figure (the notebook shows it; `record.Recorder.figure` saves it)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(items), figsize=(4.5 * len(items), 3.2), squeeze=False)
-    for ax, (what, achieved, peak, unit) in zip(axes[0], items):
-        labels, values, colors = ["achieved"], [achieved], ["tab:blue"]
+    for ax, item in zip(axes[0], items):
+        what, achieved, peak, unit = item[:4]
+        reason = (item[4] if len(item) > 4 else None) or invalid_reason(achieved, peak)
+        labels, values, colors = ["achieved"], [achieved if math.isfinite(achieved) else 0.0], ["tab:blue"]
         if peak:
             labels.append("peak")
             values.append(peak)
             colors.append("lightgray")
-        ax.bar(labels, values, color=colors)
-        share = f" = {achieved / peak:.0%} of peak" if peak else " (no published peak)"
-        ax.set_title(f"{what}: {_fmt(achieved)} {unit}{share}", fontsize=10)
+        bars = ax.bar(labels, values, color=colors)
+        if reason:
+            bars[0].set_facecolor("none")
+            bars[0].set_edgecolor("tab:red")
+            bars[0].set_hatch("//")
+            ax.set_xlabel(f"unreliable: {reason}", fontsize=8, color="tab:red", wrap=True)
+        share = f" = {achieved / peak:.0%} of peak" if peak and math.isfinite(achieved) else (
+            "" if peak else " (no published peak)")
+        ax.set_title(f"{what}: {_fmt(achieved) if math.isfinite(achieved) else achieved} {unit}{share}", fontsize=10)
         ax.set_ylabel(unit)
     if title:
         fig.suptitle(title)

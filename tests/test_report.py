@@ -635,3 +635,15 @@ def test_a_value_above_its_peak_is_drawn_hollow_with_the_reason():
     assert "107% of the peak: above it" in above.get_xlabel()
     assert fine.patches[0].get_facecolor()[3] == 1 and fine.get_xlabel() == ""
     assert "the clock fell" in told.get_xlabel() and told.patches[0].get_hatch() == "//"
+
+
+def test_a_lab_killed_while_running_is_not_said_to_be_not_run(build_dir, h100):
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "status.json").write_text(json.dumps({
+        "run": {"id": "new", "state": "running"},
+        "labs": {"04_flash_attention": {"status": "running", "run_id": "new"},
+                 "05_llm_serving": {"status": "not run", "run_id": "new"}}}))
+    md = report.build_report().read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| 0")}
+    assert "**STOPPED WHILE RUNNING**" in rows["04_flash_attention"]
+    assert "**NOT RUN**: the run ended before it" in rows["05_llm_serving"]

@@ -65,7 +65,10 @@ def lab_state(entry: dict, run: dict | None) -> str:
         return f"**FAILED**: {entry.get('error', 'unknown error')}"
     if status == "interrupted":
         return f"**INTERRUPTED**: {entry.get('error', 'interrupted')}"
-    if status in ("not run", "running", "pending"):
+    if status == "running":
+        return ("**STOPPED WHILE RUNNING**: the run ended during this lab (killed, or the machine stopped); its "
+                "executed notebook shows the last cell it ran")
+    if status in ("not run", "pending"):
         return "**NOT RUN**: the run " + ("was interrupted before it" if run.get("state") == "interrupted"
                                           else "ended before it")
     return status
@@ -178,8 +181,7 @@ def verdict(mine: dict, ref: dict | None, device: dict | None, ref_device: str |
     if mine.get("fraction_of_peak", 0) > 1.05:
         return "**suspicious**: above the published peak (a wrong size, or a measurement that missed the work)"
     if (device or {}).get("backend") == "cpu":
-        return ("as expected for a CPU (small sizes, on CPU kernels or Triton's interpreter: set beside the GPU by "
-                "fraction of peak, not by value)")
+        return "as expected for a CPU (see above the tables)"
     if ref is None:
         return "no reference figure to judge by"
     better = mine.get("better")
@@ -283,6 +285,10 @@ def render_markdown(results: dict[str, dict], status: dict, reference: dict | No
     total = sum(len(r.get("metrics", {})) for r in results.values())
     out += ["", f"**Figures:** {total} recorded, {len(unreliable)} unreliable (each with its reason below; an "
                 "unreliable figure is never a measurement of the kernel alone)."]
+    if (device or {}).get("backend") == "cpu":
+        out += ["", "On a CPU the figures come from small sizes, PyTorch's CPU kernels and Triton's interpreter: "
+                    "they are set beside the GPU's by fraction of peak, never by value, and judged only as unreliable "
+                    "(with the reason) or as expected for a CPU."]
     out += ["", "## Labs", "", "| lab | status | seconds | peak memory | executed notebook |", "|---|---|---|---|---|"]
     for lab in labs:
         st = status.get(lab)

@@ -647,3 +647,15 @@ def test_a_lab_killed_while_running_is_not_said_to_be_not_run(build_dir, h100):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| 0")}
     assert "**STOPPED WHILE RUNNING**" in rows["04_flash_attention"]
     assert "**NOT RUN**: the run ended before it" in rows["05_llm_serving"]
+
+
+def test_a_run_all_in_work_keeps_its_figures_apart_from_make_runs(build_dir, h100, tmp_path, monkeypatch):
+    from utils.base.paths import results_dir
+
+    assert results_dir() == build_dir / "results"
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")              # the learner's Run All in JupyterLab
+    assert results_dir() == build_dir / "results-work"
+    record.start("00_environment", h100).metric("environment.add_gbps", 1.0, "GB/s", label="add", size="n=1")
+    assert (build_dir / "results-work" / "00_environment.json").exists()
+    assert not (build_dir / "results" / "00_environment.json").exists()

@@ -111,8 +111,13 @@ def _locate_build() -> Path:
 
 
 def results_dir() -> Path:
-    """The labs' recorded figures (`utils.record`): build/results."""
-    return build_dir() / "results"
+    """The labs' recorded figures (`utils.record`): build/results, what `make run` writes and `make report` reads;
+    build/results-work for a notebook run in the learner's work/, so a Run All there never replaces them."""
+    try:
+        in_work = Path.cwd().name == "work"
+    except OSError:                      # the folder it ran in is gone
+        in_work = False
+    return build_dir() / ("results-work" if in_work else "results")
 
 
 def course_env_file(path: Path = ENV_FILE) -> dict[str, str]:

@@ -659,3 +659,5 @@ def test_a_run_all_in_work_keeps_its_figures_apart_from_make_runs(build_dir, h10
     record.start("00_environment", h100).metric("environment.add_gbps", 1.0, "GB/s", label="add", size="n=1")
     assert (build_dir / "results-work" / "00_environment.json").exists()
     assert not (build_dir / "results" / "00_environment.json").exists()
+    monkeypatch.chdir(tmp_path)
+    assert "recorded their own figures (00_environment) in `build/results-work/`" in report.build_report().read_text()

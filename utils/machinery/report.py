@@ -354,6 +354,10 @@ def build_report(root: Path | None = None) -> Path:
     build = Path(root) if root else build_dir()
     results = load_results(build / "results")
     text = render_markdown(results, load_status(build), load_reference())
+    mine = sorted(p.stem for p in (build / "results-work").glob("*.json"))
+    if mine:
+        text += (f"\n*Your notebooks in `work/` recorded their own figures ({', '.join(mine)}) in "
+                 "`build/results-work/`, kept apart from `make run`'s, which this report shows.*\n")
     text += ("\n## Executed GPU copies (`docs/executed/`)\n\nEach solution as the course's GPU reference run "
              "executed it, outputs and plots kept; a copy older than its solution is marked.\n\n"
              + "\n".join(describe()) + "\n")

@@ -104,7 +104,20 @@ def _one_shot_op():
     return _OP
 
 
-class SymmMemCollectives(Collectives):
+class _SymmetricCollectives(Collectives):
+    """What both symmetric-memory classes share: refused with the reason where symmetric memory cannot run, their
+    own `name`, and the group's name (what a rendezvous and the ops take)."""
+
+    def __init__(self, group, device):
+        reason = symm_skip_reason(device)
+        if reason:
+            raise RuntimeError(reason)
+        super().__init__(group)
+        self.name = type(self).name
+        self.group_name = self.group.group_name
+
+
+class SymmMemCollectives(_SymmetricCollectives):
     """`all_reduce` as a one-shot all-reduce over symmetric memory (see the module docstring) for tensors of up to
     `numel` elements of `dtype`; `all_gather` stays NCCL's. Every rank of the group must construct it together (the
     buffer's rendezvous is collective)."""
@@ -112,14 +125,9 @@ class SymmMemCollectives(Collectives):
     name = "symmetric memory (one-shot)"
 
     def __init__(self, group=None, *, numel: int, dtype, device):
-        reason = symm_skip_reason(device)
-        if reason:
-            raise RuntimeError(reason)
-        super().__init__(group)
-        self.name = SymmMemCollectives.name
+        super().__init__(group, device)
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group_name = self.group.group_name
         self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         _BUFFERS[self.group_name] = self.buffer
@@ -129,7 +137,7 @@ class SymmMemCollectives(Collectives):
         return self.op(x, self.group_name)
 
 
-class OneShotNormCollectives(Collectives):
+class OneShotNormCollectives(_SymmetricCollectives):
     """`all_reduce_add_norm` as one kernel (`utils.multigpu.oneshot`): the one-shot all-reduce of up to `rows` rows of
     `hidden` numbers over symmetric memory, the residual add and the RMSNorm after it; `all_gather` stays NCCL's.
     Every rank of the group must construct it together (the buffer's rendezvous is collective)."""
@@ -137,15 +145,10 @@ class OneShotNormCollectives(Collectives):
     name = "one-shot all-reduce + add + RMSNorm (Triton, symmetric memory)"
 
     def __init__(self, group=None, *, rows: int, hidden: int, dtype, device):
-        reason = symm_skip_reason(device)
-        if reason:
-            raise RuntimeError(reason)
-        super().__init__(group)
-        self.name = OneShotNormCollectives.name
+        super().__init__(group, device)
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group_name = self.group.group_name
         world = dist.get_world_size(self.group)
         size, _ = oneshot.layout(rows, hidden, dtype, world)
         raw = symm_mem.empty(size, dtype=torch.uint8, device=device)

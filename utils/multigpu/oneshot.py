@@ -13,7 +13,8 @@ vector of 8 KiB per sequence. `one_shot_all_reduce_add_rms_norm_kernel` does all
 
 No second barrier: a layer's two calls use two slots of the buffer, and consecutive calls must alternate them. A
 rank can write slot s again only after passing the barrier of the call in between, which every peer reaches after
-it has read slot s. Triton writes it for NVIDIA and AMD alike (`tl.atomic_cas` at system scope, no inline PTX); it
+it has read slot s. Triton writes it for NVIDIA and AMD alike (`tl.atomic_xchg` and `tl.atomic_add` at system scope,
+no inline PTX); it
 is the same idea as vLLM's custom all-reduce and `symm_mem.one_shot_all_reduce` (peer loads; never the NVSwitch's
 multicast `multimem` operations, which the course keeps off).
 """
@@ -81,20 +82,18 @@ def one_shot_all_reduce_add_rms_norm_kernel(x, residual, weight, h_out, y_out, b
 def layout(rows: int, hidden: int, dtype, world: int) -> tuple[int, int]:
     """Bytes of one rank's symmetric buffer for `rows` x `hidden` values of `dtype` in `SLOTS` slots, then a flag
     (int32) per (row, rank); and where the flags start, in int32s from the buffer's start."""
-    data = SLOTS * rows * hidden * torch.empty((), dtype=dtype).element_size()
-    data = -(-data // 16) * 16
+    data = -(-SLOTS * rows * hidden * dtype.itemsize // 16) * 16
     return data + 4 * rows * world, data // 4
 
 
 class Buffers:
-    """One group's symmetric buffer (`raw`: bytes; `data`: the slots; `flags`), the device address table of every
+    """One group's symmetric buffer (`raw`: bytes, the slots then the `flags`), the device address table of every
     rank's buffer (a rendezvous handle's `buffer_ptrs_dev`), and this rank's barrier counts (`epochs`, one a row)."""
 
     def __init__(self, raw: torch.Tensor, handle, *, rows: int, hidden: int, dtype):
         self.world, self.rank = handle.world_size, handle.rank
         size, self.flags_at = layout(rows, hidden, dtype, self.world)
         self.raw, self.handle, self.rows, self.hidden, self.dtype = raw, handle, rows, hidden, dtype
-        self.data = raw[: SLOTS * rows * hidden * torch.empty((), dtype=dtype).element_size()].view(dtype)
         self.flags = raw[4 * self.flags_at: size].view(torch.int32)
         self.epochs = torch.zeros(rows, dtype=torch.int32, device=raw.device)
 
@@ -105,14 +104,13 @@ def register(group_name: str, buffers: Buffers) -> None:
 
 
 def launch(x, residual, weight, eps: float, *, buffer_ptrs: int, flags_at: int, epochs, rank: int, world: int,
-           slot_offset: int, h_out=None, y_out=None):
+           slot_offset: int):
     """Run the kernel on [rows, D] `x` (this rank's partial sums), `residual` and [D] `weight`; returns (h, y).
     `buffer_ptrs`: the device address of a table of every rank's buffer address; `flags_at`: where the flags start
     in each buffer (int32s); `epochs`: this rank's barrier counts, one a row; `slot_offset`: where this call's slot
     starts in each buffer (elements of x's dtype)."""
     rows, D = x.shape
-    h_out = torch.empty_like(residual) if h_out is None else h_out
-    y_out = torch.empty_like(residual) if y_out is None else y_out
+    h_out, y_out = torch.empty_like(residual), torch.empty_like(residual)
     block = triton.next_power_of_2(D)
     one_shot_all_reduce_add_rms_norm_kernel[(rows,)](
         x, residual, weight, h_out, y_out, buffer_ptrs, flags_at, epochs, slot_offset, eps,

@@ -261,14 +261,15 @@ def progress_table(run: bool = False, work: Path = WORK, cell_timeout: float = C
             head.append(f"{_rel(mine)} cannot be read as a notebook ({type(exc).__name__}: {str(exc)[:120]}): restore "
                         f"it from {_rel(work / '.backup')} or rename it and run `make workspace` for a fresh copy")
             learner = None
+        graded = _object(verdicts.get(path.stem))
         for ex_id, todo in todos.items():
-            entry = _object(_object(verdicts.get(path.stem)).get(ex_id))
+            entry = _object(graded.get(ex_id))
             status = entry.get("status") if entry.get("status") in STATES else "not done"
             if status in ("passed", "failed") and changed_since_graded(entry.get("answer") or {},
                                                                       functions.get(ex_id, []), learner):
                 status = "changed since graded"
             title = titles.get(ex_id) or entry.get("title") or _short(re.sub(r"^TODO\([^)]*\):?\s*", "", todo))
-            speed = _object(_object(verdicts.get(path.stem)).get(f"{ex_id} speed"))
+            speed = _object(graded.get(f"{ex_id} speed"))
             note = f" (speed target: {speed.get('status')})" if speed and status == "passed" else ""
             rows.append((_number(ex_id), ex_id, _short(title), status + note, _rel(mine)))
     rows.sort()

@@ -60,7 +60,7 @@ class LabRun:
             answer = re.search(r"answer \((\d+) tokens, first after \d+ ms, all in [\d.]+ s\): (['\"])(.+)\2", text)
             assert answer and int(answer.group(1)) > 0 and len(answer.group(3)) > 20, text[-2000:]
             assert "PASS: the server's process group is gone and its port closed" in text, text[-3000:]
-            assert {"serving.throughput_c1_tokens_per_s", "serving.batching_gain"} <= set(recorded["metrics"])
+            assert {"serving.transformers.throughput_c1_tokens_per_s", "serving.transformers.batching_gain"} <= set(recorded["metrics"])
             assert "05_llm_serving/load_test.png" in recorded["figures"]
 
 

@@ -186,6 +186,25 @@ def test_merging_one_lab_into_a_reference_of_eight_keeps_the_other_seven(build_d
         report.merge_reference(dict(old, device="AMD Instinct MI300X"), old)
 
 
+def test_a_lab_run_twice_at_one_commit_keeps_both_runs_figures(build_dir, h100):
+    """Lab 05 once per serving engine: the second run's figures join the first's; one measured by both is the
+    later run's; the earlier run is listed with the figures only it holds. Another commit replaces the lab."""
+    def one_run(commit, **figures):
+        (build_dir / "results" / "05_llm_serving.json").unlink(missing_ok=True)
+        rec = record.start("05_llm_serving", h100)
+        for key, value in figures.items():
+            rec.metric(key, value, "x", label=key, size="n=1")
+        return report.make_reference(record.load_results(), commit=commit)
+
+    first = one_run("c1", decode=1.0, vllm_ttft=2.0)
+    joined = report.merge_reference(first, one_run("c1", decode=1.5, transformers_ttft=3.0))
+    lab = joined["labs"]["05_llm_serving"]
+    assert {k: m["value"] for k, m in lab["metrics"].items()} == {"decode": 1.5, "vllm_ttft": 2.0, "transformers_ttft": 3.0}
+    assert [run["metrics"] for run in lab["earlier_runs"]] == [["vllm_ttft"]]
+    later = report.merge_reference(joined, one_run("c2", decode=9.0))["labs"]["05_llm_serving"]
+    assert list(later["metrics"]) == ["decode"] and "earlier_runs" not in later
+
+
 def test_unreliable_figures_stay_out_of_a_reference(build_dir, h100):
     rec = record.start("05_llm_serving", h100)
     rec.metric("good", 1.0, "x", label="good", size="n=1")

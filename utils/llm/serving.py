@@ -32,6 +32,9 @@ from utils.llm import guard, loadgen
 ENGINES = ("vllm", "transformers")
 # The engines' per-request limits, as the commands below set them up (see Engine.context_limit).
 VLLM_MAX_MODEL_LEN = 2048
+# vLLM takes 90 % of the GPU's memory by default, for weights and KV cache; the course says how much, leaving room for
+# the notebook's own CUDA context and the probe of a second engine.
+VLLM_GPU_MEMORY_SHARE = 0.85
 CPU_CB_BLOCKS, CPU_CB_BLOCK_SIZE = 64, 32
 GPU_CONTEXT_LIMIT = 8192
 INSTALL = {
@@ -55,7 +58,9 @@ class Engine:
             cmd = [self.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--served-model-name", served_name, "--host", host, "--port", str(port),
                    "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
-            return cmd + (["--enforce-eager"] if device == "cpu" else [])
+            if device == "cpu":
+                return cmd + ["--enforce-eager"]
+            return cmd + ["--dtype", "bfloat16", "--gpu-memory-utilization", str(VLLM_GPU_MEMORY_SHARE)]
         # transformers serve checks no request itself: utils.llm.guard runs it with the limits in front
         cmd = [self.executable, "-m", "utils.llm.guard", "--context-limit", str(self.context_limit(device, model)),
                "--model", str(model), "--", "serve", str(model), "--host", host, "--port", str(port),

@@ -9,7 +9,8 @@ size-independent form (fraction of peak) with both sizes shown; and a one-word v
 suspicious / unreliable, with the reason).
 `python -m utils.machinery.report reference OUT.json [--merge] [--gpus N]` turns the sidecars of a real run into a
 reference record: each lab's reliable figures under that lab, and the number of GPUs the run used; `--merge`
-replaces only the labs this run executed.
+replaces only the labs this run executed, and joins a lab's figures with those of an earlier run at the same commit
+(one lab run once per parameter set, e.g. lab 05 once per serving engine).
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def make_reference(results: dict[str, dict], commit: str | None = None) -> dict:
 
 def merge_reference(old: dict, new: dict) -> dict:
     """``old`` with the labs ``new`` ran replaced by ``new``'s (a later run of some labs on the same GPU, at the same
-    GPU count); every other lab's figures are kept as they were."""
+    GPU count), or joined with them where both ran that lab at one commit; every other lab's figures are kept."""
     if old["device"] != new["device"]:
         raise ValueError(f"cannot merge a {new['device']} run into a {old['device']} reference")
     if record_gpus(old) != record_gpus(new):
@@ -135,7 +136,28 @@ def merge_reference(old: dict, new: dict) -> dict:
     merged["gpus"] = record_gpus(new)
     if new.get("topology"):
         merged["topology"] = new["topology"]
-    return {**merged, "labs": dict(sorted({**old["labs"], **new["labs"]}.items()))}
+    labs = dict(old["labs"])
+    for lab, entry in new["labs"].items():
+        labs[lab] = _join_runs(labs[lab], entry) if _same_code(labs.get(lab), entry) else entry
+    return {**merged, "labs": dict(sorted(labs.items()))}
+
+
+def _same_code(old: dict | None, new: dict) -> bool:
+    return bool(old and old.get("commit") and old.get("commit") == new.get("commit"))
+
+
+def _join_runs(old: dict, new: dict) -> dict:
+    """One lab run twice at one commit with other parameters (lab 05: ENGINE=vllm, then ENGINE=transformers): the
+    union of both runs' figures, the later run's where both measured one; each earlier run is listed under
+    ``earlier_runs`` with its date, machine state and the figures only it holds."""
+    only_old = sorted(set(old["metrics"]) - set(new["metrics"]))
+    earlier = [*old.get("earlier_runs", []),
+               {"run_id": old.get("run_id"), "date": old.get("date"), "state": old.get("state", {}),
+                "metrics": only_old}]
+    unreliable = {**{k: v for k, v in old.get("unreliable", {}).items() if k not in new["metrics"]},
+                  **new.get("unreliable", {})}
+    return {**new, "metrics": {**{k: old["metrics"][k] for k in only_old}, **new["metrics"]},
+            **({"unreliable": unreliable} if unreliable else {}), "earlier_runs": earlier}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:

@@ -83,8 +83,8 @@ def test_device_commands_fit_a_call_and_check_what_arrived():
     assert first.startswith("set -e; rm -rf /root/vllm-parts;") and "sha256sum -c --strict" in first
     assert "check_present.py" in first and "pip install" not in first
     assert "seq 1 2" in last and "fresh machine" in last and "sha256sum -c --strict WHEEL.sha256" in last
-    assert "--no-index --no-deps --no-compile --no-cache-dir --target /tmp/vllm-site" in last
-    assert "export PYTHONPATH=/tmp/vllm-site:/tmp/vllm-site/pkgs" in last
+    assert "--no-index --no-deps --no-compile --no-cache-dir --target /root/vllm-site" in last
+    assert "export PYTHONPATH=/root/vllm-site:/root/vllm-site/pkgs" in last
     assert max(len(first), len(last)) < 2000
 
 

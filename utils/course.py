@@ -76,5 +76,6 @@ def start(lab: str, scope: dict):
     if not dev.is_gpu:
         os.environ["TRITON_INTERPRET"] = "1"   # Triton kernels run on CPU tensors, in NumPy (before triton is imported)
     rec = record.start(lab, dev)
+    rec.given({name: scope[name] for name in injected_names(scope) if name in declared(lab)})
     ex = exercises.Lab(lab)                 # grades the exercises; an unfinished one prints NOT DONE
     return dev, rec, ex

@@ -85,6 +85,14 @@ class Recorder:
             self.warn(f"the machine was busy when this lab started (load average {cpu['load1']} on {cpu['cores']} "
                       "cores: other programs, tests or users): its timings may be slower than this machine can do")
 
+    def given(self, parameters: dict) -> None:
+        """The parameters this run was given (papermill's, `make run -p`), beside its figures: a reference run may set
+        shorter windows or another engine than the defaults."""
+        if parameters:
+            self.data["parameters"] = {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+                                       for k, v in parameters.items()}
+            self._save()
+
     def metric(self, key: str, value: float, unit: str, *, label: str, size: str | dict,
                peak: float | None = None, timing=None, samples: int | None = None, spread: float | None = None,
                checks: tuple | list = (), better: str | None = None, timed: bool | None = None) -> dict:

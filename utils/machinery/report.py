@@ -114,6 +114,7 @@ def make_reference(results: dict[str, dict], commit: str | None = None) -> dict:
         left = {k: "; ".join(m.get("reasons", [])) for k, m in r["metrics"].items() if k not in kept}
         labs[lab] = {"date": r["date"][:10], "run_id": r.get("run_id"), "commit": commit,
                      "software": r["software"], "state": r.get("state", {}), "metrics": kept,
+                     **({"parameters": r["parameters"]} if r.get("parameters") else {}),
                      **({"topology": r["topology"]} if r.get("topology") else {}),
                      **({"unreliable": left} if left else {})}
     topology = sorted({r["topology"] for r in runs.values() if r.get("topology")})
@@ -153,7 +154,7 @@ def _join_runs(old: dict, new: dict) -> dict:
     only_old = sorted(set(old["metrics"]) - set(new["metrics"]))
     earlier = [*old.get("earlier_runs", []),
                {"run_id": old.get("run_id"), "date": old.get("date"), "state": old.get("state", {}),
-                "metrics": only_old}]
+                **({"parameters": old["parameters"]} if old.get("parameters") else {}), "metrics": only_old}]
     unreliable = {**{k: v for k, v in old.get("unreliable", {}).items() if k not in new["metrics"]},
                   **new.get("unreliable", {})}
     return {**new, "metrics": {**{k: old["metrics"][k] for k in only_old}, **new["metrics"]},

@@ -71,7 +71,8 @@ OWNER = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_the_group_ends_when_its_owner_dies(build_dir, tmp_path, sig):
-    """The owner (a notebook's kernel, here a plain Python process) is killed: nothing it started lives on."""
+    """The owner (a notebook's kernel, here a plain Python process) is killed: nothing it started lives on, and no
+    record of it is left behind (the owner's own clean-up never ran: the guard forgets the record)."""
     port = free_port()
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "log"), *SERVE, str(port)],
                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
@@ -81,6 +82,7 @@ def test_the_group_ends_when_its_owner_dies(build_dir, tmp_path, sig):
     owner.wait(timeout=10)
     assert wait_until(lambda: not processes.group_alive(pgid)), "the group outlived its owner"
     assert not listening(port)
+    assert wait_until(lambda: not (processes.records_dir() / f"{pgid}.json").exists()), "a stale process record"
 
 
 def test_reap_orphans_ends_dead_owners_groups_and_spares_live_ones(build_dir, tmp_path):

@@ -21,7 +21,8 @@ The kit (what a lab's notebook imports):
 
 Lab families:
     llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of
-                transformers serve), loadgen
+                transformers serve), loadgen,
+                loadplan (the probe that decides, each level's windows, the levels)
     multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), comm (how the
                 ranks talk: NCCL/gloo, or a one-shot all-reduce over symmetric memory), oneshot (the course's Triton
                 one-shot all-reduce + residual add + RMSNorm), tp (tensor parallelism),

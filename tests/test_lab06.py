@@ -881,3 +881,32 @@ def test_every_variant_of_the_split_on_gpus(tiny, build_dir, world):
             if name.startswith("eager"):
                 assert entry["profile"]["counts"] == want
     nothing_left(run)
+
+
+def test_the_two_node_rendezvous_listens_only_inside_its_own_network(build_dir, tmp_path):
+    """A store that listens on every interface, inside the namespace, cannot be reached from the machine's network;
+    where the machine refuses a namespace, the reason is given (and the run goes on as before)."""
+    import subprocess
+    import sys
+
+    from utils.multigpu import netns
+
+    network = netns.Namespace(tmp_path)
+    refused = network.start()
+    if refused:
+        pytest.skip(f"no network namespace here: {refused}")
+    try:
+        port = launch.free_port()
+        listen = ("import socket, sys, time; s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(); "
+                  "print('listening', flush=True); time.sleep(30)")
+        inside = subprocess.Popen(network.prefix() + [sys.executable, "-c", listen, str(port)], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert inside.stdout.readline().strip() == "listening"
+            assert not launch.port_listening(port), "a listener inside the namespace is reachable from outside"
+        finally:
+            inside.kill()
+            inside.wait()
+    finally:
+        network.stop()
+    assert not processes.group_alive(network.holder.pgid)

@@ -205,6 +205,22 @@ def test_a_lab_run_twice_at_one_commit_keeps_both_runs_figures(build_dir, h100):
     assert list(later["metrics"]) == ["decode"] and "earlier_runs" not in later
 
 
+def test_a_printed_record_line_names_its_run_and_sets_this_run_beside_it(build_dir, h100):
+    """An executed copy must never pass the record as it stood before its own run off as its own figure."""
+    old = record.start("00_environment", h100)
+    old.metric("environment.add_gbps", 3000.0, "GB/s", label="torch.add", size="n=1")
+    ref = report.make_reference(record.load_results(), commit="abcdef0123")
+    ref["labs"]["00_environment"]["run_id"] = "20261126-1"
+    source = record.record_source(ref, "00_environment")
+    assert "utils/reference/h100.json" in source and "run 20261126-1" in source and "commit abcdef0" in source
+    rec = record.start("00_environment", h100)
+    rec.metric("environment.add_gbps", 3100.0, "GB/s", label="torch.add", size="n=1")
+    line = record.beside_record(rec, "environment.add_gbps", ref, "00_environment")
+    assert line.startswith("this run: 3,100 GB/s") and "the record: 3,000 GB/s" in line
+    assert record.beside_record(rec, "environment.matmul_tflops", ref, "00_environment") == \
+        "this run: not measured; the record: none"
+
+
 def test_unreliable_figures_stay_out_of_a_reference(build_dir, h100):
     rec = record.start("05_llm_serving", h100)
     rec.metric("good", 1.0, "x", label="good", size="n=1")
@@ -680,3 +696,22 @@ def test_a_run_all_in_work_keeps_its_figures_apart_from_make_runs(build_dir, h10
     assert not (build_dir / "results" / "00_environment.json").exists()
     monkeypatch.chdir(tmp_path)
     assert "recorded their own figures (00_environment) in `build/results-work/`" in report.build_report().read_text()
+
+
+def test_a_sweep_point_that_fails_its_validity_test_is_drawn_hollow_with_its_reason():
+    """Lab 01's sweep: noise (a timing whose samples disagree) is never drawn as data."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils import plots, timing
+
+    fig, ax = plt.subplots()
+    steady = timing.Timing((1.0, 1.0, 1.01, 0.99, 1.0), "perf_counter")
+    noisy = timing.Timing((1.0, 3.0, 0.5, 2.0, 1.0), "perf_counter")
+    why = plots.line_with_doubts(ax, [1, 2], [5.0, 6.0], [record.timing_problems(t) for t in (steady, noisy)],
+                                 label="torch.add", x_name="bytes moved")
+    assert why == ["torch.add at bytes moved 2: spread 100% (IQR/median) above 25%"]
+    hollow = [line for line in ax.lines if line.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2]
+    plt.close(fig)

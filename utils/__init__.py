@@ -23,7 +23,8 @@ Lab families:
     llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of
                 transformers serve), loadgen,
                 loadplan (the probe that decides, each level's windows, the levels)
-    multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), comm (how the
+    multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), netns (a
+                private network for those agents), comm (how the
                 ranks talk: NCCL/gloo, or a one-shot all-reduce over symmetric memory), oneshot (the course's Triton
                 one-shot all-reduce + residual add + RMSNorm), tp (tensor parallelism),
                 attribution (where a step's time goes: collectives counted once, compute / communication / idle)

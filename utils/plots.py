@@ -62,6 +62,17 @@ def achieved_vs_peak(items, title: str = ""):
     return fig
 
 
+def line_with_doubts(ax, xs, ys, doubts, *, label: str, x_name: str = "x", **style):
+    """One line of a sweep: points with no doubt filled, those that failed their validity test (``doubts``: a list of
+    reasons per point, [] for none) hollow, so noise is never drawn as data. Returns the doubted points' reasons."""
+    line, = ax.plot(xs, ys, marker="o", label=label, **style)
+    bad = [(x, y, why) for x, y, why in zip(xs, ys, doubts) if why]
+    if bad:
+        ax.plot([x for x, _, _ in bad], [y for _, y, _ in bad], ls="none", marker="o", markersize=9,
+                markerfacecolor="white", markeredgecolor=line.get_color(), zorder=3)
+    return [f"{label} at {x_name} {x:,}: {'; '.join(why)}" for x, _, why in bad]
+
+
 def lane_map(threads: int = 256, widths=(32, 64)):
     """How a block of `threads` threads splits into wavefronts/warps of each width: one row per width,
     threads coloured by their wave, lane 0 of each wave marked."""

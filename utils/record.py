@@ -201,6 +201,12 @@ def validity(entry: dict, checks=()) -> list[str]:
     return reasons
 
 
+def timing_problems(timing) -> list[str]:
+    """Why one ``utils.timing.Timing`` cannot be trusted as a point of a plot ([] if it can): the recorder's tests."""
+    return validity({"value": timing.median_ms, "samples": len(timing.samples_ms), "spread": timing.spread,
+                     "state": timing.window})
+
+
 def describe(entry: dict) -> str:
     """"98.3 GB/s (5% of peak; median of 50, spread 3%)" or "unreliable (0.0655 GB/s): why"."""
     value = f"{entry['value']:,.4g} {entry['unit']}"
@@ -279,6 +285,26 @@ def load_reference(name: str = "h100") -> dict | None:
     """A committed reference record ({"device", "arch", "labs": {lab: {"metrics": ...}}}); a corrupt one raises
     CorruptStateError naming the file."""
     return state.read_json(REFERENCE_DIR / f"{name}.json", None, what="reference record", on_corrupt="raise", shape=dict)
+
+
+def record_source(reference: dict | None, lab: str, stem: str = "h100") -> str:
+    """Which run a reference record's figures of ``lab`` come from, for a sentence that quotes them: "the course's
+    H100 record (utils/reference/h100.json: run 20261126-... of 2026-11-26, commit 8b0197c)". Printed at run time, so
+    an executed copy names the record as it stood when it ran, never passes it off as its own run."""
+    entry = ((reference or {}).get("labs") or {}).get(lab) or {}
+    run = ", ".join(filter(None, [f"run {entry['run_id']}" if entry.get("run_id") else None,
+                                  f"of {entry['date']}" if entry.get("date") else None,
+                                  f"commit {str(entry['commit'])[:7]}" if entry.get("commit") else None]))
+    gpu = (device_label((reference or {}).get("device"), record_gpus(reference or {})) or stem).replace("NVIDIA ", "")
+    return f"the course's {gpu} record ({reference_path(stem)}{': ' + run if run else ''})"
+
+
+def beside_record(rec: "Recorder", key: str, reference: dict | None, lab: str) -> str:
+    """One figure as this run measured it beside the record's: "this run: 98.3 GB/s (5% of peak); the record: ..."."""
+    mine = rec.data["metrics"].get(key)
+    theirs = reference_metrics(reference, lab).get(key)
+    this = f"this run: {describe(mine)}" if mine else "this run: not measured"
+    return f"{this}; the record: {describe(theirs)}" if theirs else f"{this}; the record: none"
 
 
 def gpus_of(result: dict | None) -> int:

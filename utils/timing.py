@@ -12,6 +12,7 @@ a recorder can tell a steady measurement from one the clock or other programs mo
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -75,6 +76,25 @@ class Timing:
     def __str__(self) -> str:
         return (f"median {self.median_ms:.4g} ms, min {self.min_ms:.4g} ms, IQR {self.iqr_ms:.3g} ms "
                 f"over {len(self.samples_ms)} reps ({self.clock})")
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device):
+    """On a CPU, PyTorch's own work on one thread while the block runs (restored after). From 32,768 elements an
+    element-wise op splits across intra-op threads, and on a busy 2-core machine the second thread waits for a core:
+    a sweep then jumps by 10x between neighbouring sizes (measured at 65,536); one thread gives steady figures.
+    On a GPU nothing changes."""
+    import torch
+
+    if _platform(device).is_gpu:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _platform(device) -> backend.Backend:

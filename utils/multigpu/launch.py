@@ -14,8 +14,9 @@ loopback interface.
 
 For several "nodes" (`nnodes=2`: two agents on this machine, the course's demonstration of a cluster)
 `torchrun()` runs `python -m torch.distributed.run` once per node (`torchrun_agents`), with the c10d
-rendezvous on a free port of 127.0.0.1: its store listens on every interface while the run lasts, so the
-demonstration is kept short.
+rendezvous on a free port of 127.0.0.1. Its store listens on every interface, so the agents run in a network
+namespace of their own whose only interface is its loopback (`utils.multigpu.netns`); where the machine refuses one,
+the run says so and its store is reachable from the network while the run lasts.
 
 Either way the processes end when the call returns, when it times out, or when the notebook's kernel
 dies. A rank that raises ends the whole run (the others are stopped) and `RankFailed` shows that rank's
@@ -41,6 +42,7 @@ import psutil
 from utils.base import processes
 from utils.base.paths import LOOPBACK, build_dir, free_port, private_dir
 from utils.multigpu.collectives import RENDEZVOUS_FILE_VAR
+from utils.multigpu.netns import Namespace
 
 # NVLink SHARP / multicast (NVLS): on NVSwitch systems, NCCL, PyTorch's symmetric memory and NVSHMEM can
 # let the switch itself combine and replicate data. It reserves switch and driver resources shared by every
@@ -114,6 +116,7 @@ class Run:
     port: int | None = None        # torchrun's c10d rendezvous port (several nodes); None on one machine
     store: Path | None = None      # the file store of a one-machine run, in a private folder removed at its end
     nodes: int = 1
+    private_network: bool = False  # several nodes: the agents ran in a network namespace of their own (netns.py)
     pgids: list[int] = field(default_factory=list)
     nonces: list[str] = field(default_factory=list)   # in every process's environment (utils.base.processes)
     seconds: float = 0.0
@@ -201,7 +204,7 @@ def torchrun(target: str, args=(), *, nproc: int, timeout: float, name: str, nno
 
     One machine (`nnodes=1`): the course starts the ranks itself, with a file-store rendezvous
     (`run_ranks`: no TCP listener). Several "nodes": real torchrun agents with the c10d rendezvous
-    (`torchrun_agents`: its store listens on every interface while the run lasts).
+    (`torchrun_agents`: in a network namespace of their own, where the machine allows one).
     Raises `RankFailed` (with the first failing rank's traceback) or `RankTimeout`; either way, and on
     success, no process of the run is left. The ranks' results are in `run.out_dir`."""
     if nnodes < 1 or nproc < 1:
@@ -390,8 +393,9 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
     "node", all on this machine, the first hosting the rendezvous) with the c10d rendezvous on 127.0.0.1.
 
     Only for the demonstration of several nodes: torch's TCP store, which the c10d rendezvous runs in the
-    first agent, listens on every interface of the machine whatever address it is given (`ss -ltn` shows
-    `*:PORT`), so other machines of the network can reach it while the run lasts; keep such runs short.
+    first agent, listens on every interface whatever address it is given (`ss -ltn` shows `*:PORT`), so the agents
+    run in a network namespace of their own (`utils.multigpu.netns`: only its loopback); where the machine refuses
+    one (the NOTE printed says why), other machines of the network can reach the store while the run lasts.
     One machine's runs go through `run_ranks` (a file store, no listener). Raises as `torchrun()` does."""
     if nnodes < 1 or nproc < 1:
         raise ValueError(f"nnodes={nnodes} and nproc={nproc} must be at least 1")
@@ -402,12 +406,21 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
     port = free_port()
     endpoint = f"{LOOPBACK}:{port}"
     rank_environment = rank_env(env)
-    cmds = [torchrun_command(target, [*args, "--out", out_dir], nproc=nproc, nnodes=nnodes, endpoint=endpoint,
-                             rdzv_id=stamp, log_dir=log_dir / f"node{i}",
-                             is_host=(i == 0) if nnodes > 1 else None, python=python)
+    # the agents in a network namespace of their own: the rendezvous store, which listens on every interface, then
+    # has only that namespace's loopback (utils/multigpu/netns.py); where the machine refuses one, on its network
+    network = Namespace(log_dir, label=f"torchrun {name} network")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    refused = network.start()
+    if refused:
+        print(f"NOTE: {name}: the rendezvous store listens on every interface of this machine while the run lasts: "
+              f"{refused}")
+    inside = [] if refused else network.prefix()
+    cmds = [inside + torchrun_command(target, [*args, "--out", out_dir], nproc=nproc, nnodes=nnodes, endpoint=endpoint,
+                                      rdzv_id=stamp, log_dir=log_dir / f"node{i}",
+                                      is_host=(i == 0) if nnodes > 1 else None, python=python)
             for i in range(nnodes)]
     run = Run(name=name, command=cmds, log=root / "logs" / f"{stamp}.log", log_dir=log_dir, out_dir=out_dir,
-              port=port, nodes=nnodes)
+              port=port, nodes=nnodes, private_network=not refused)
     agents = [processes.Owned(cmd, log_path=run.log.with_suffix(f".node{i}.log") if nnodes > 1 else run.log,
                               env=rank_environment, label=f"torchrun {name} node {i}", stop_timeout=10)
               for i, cmd in enumerate(cmds)]
@@ -436,6 +449,7 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
     finally:
         for a in agents:
             a.stop()
+        network.stop()
         run.returncodes = [a.returncode for a in agents]
         run.seconds = time.monotonic() - start
         if nnodes > 1:   # one log for the run: the nodes' logs one after the other

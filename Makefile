@@ -28,7 +28,11 @@ STAMP := $(VENV)/.installed-$(subst /,_,$(subst :,_,$(EXTRAS)$(TORCH_INDEX_URL)$
 
 # The run environment (offline hub, caches and Jupyter state inside the build folder) is course.env, the one
 # file Python, the scripts and the workshop hub read too; make exports every name it sets.
-COURSE_BUILD_DIR ?= $(CURDIR)/build
+# A checkout shared read-only (its build/ too) builds in ~/.cache, as utils/base/paths.py does for Python alone.
+COURSE_BUILD_DIR ?= $(if $(shell /usr/bin/env test -w $(CURDIR) -o -w $(CURDIR)/build && echo y),$(CURDIR)/build,$(HOME)/.cache/rocm-cuda-labs/build)
+ifeq ($(origin COURSE_BUILD_DIR)$(filter $(CURDIR)/build,$(COURSE_BUILD_DIR)),file)
+$(info note: the checkout $(CURDIR) is read-only: results go to $(COURSE_BUILD_DIR) (set COURSE_BUILD_DIR to choose another folder))
+endif
 include course.env
 COURSE_ENV_NAMES := $(shell sed -n 's/^\([A-Z_][A-Z0-9_]*\)=.*/\1/p' course.env)
 export COURSE_DEVICE := $(DEVICE)

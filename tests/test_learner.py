@@ -219,3 +219,26 @@ def test_an_update_that_cannot_merge_one_lab_names_it_and_updates_the_others(che
     if fault != "dangling backup link":      # the other lab is merged; with no backup folder nothing is
         assert any(LAB01 in line and "merged" in line for line in lines), lines
         assert "updated in lab 01" in (work / LAB01).read_text()
+
+
+def test_update_on_a_full_disk_leaves_no_empty_backup_and_says_what_to_do(checkout, monkeypatch):
+    """work/'s disk fills during `make update`: no 0-byte backup to "restore" from, the learner's notebook as it was,
+    a message naming the file and the fix (not COURSE_BUILD_DIR, which does not move work/); then it works."""
+    labs, work = checkout
+    answer_in(work / LAB00, "0.1", region_code("00")["0.1"].strip())
+    mine = (work / LAB00).read_bytes()
+    course_update(labs / LAB00, "updated in lab 00")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    said, ok = learner.update(labs, work)
+    monkeypatch.undo()
+    line = next(line for line in said if LAB00 in line)
+    assert not ok and "not updated, your notebook is as it was" in line and "its disk is full" in line
+    assert "free some space on that disk" in line and "COURSE_BUILD_DIR" not in line
+    assert (work / LAB00).read_bytes() == mine
+    assert not list((work / ".backup").glob("*")) and not list(work.rglob(".*.tmp"))
+    said, ok = learner.update(labs, work)
+    assert ok and any(f"{work / LAB00}: merged" in line for line in said)

@@ -179,6 +179,10 @@ def main(argv: list[str]) -> int:
         except UnsafePath as exc:
             print(f"refused: {exc}", file=sys.stderr)
             return 1
+        except OSError as exc:            # a read-only or full disk: named, with what to do, not a traceback
+            print(f"cannot make {exc.filename or folder}: {exc.strerror}; set COURSE_BUILD_DIR to a folder of yours "
+                  "on a writable disk and run again", file=sys.stderr)
+            return 1
         return 0
     print("usage: python -m utils.base.paths env | private FOLDER...", file=sys.stderr)
     return 2

@@ -33,9 +33,10 @@ _NO_ROOM = {errno.ENOSPC: "its disk is full", errno.EDQUOT: "your disk quota is 
 
 
 @contextlib.contextmanager
-def storage_errors(path: str | Path):
+def storage_errors(path: str | Path, fix: str | None = None):
     """Turn a full disk, a used-up quota or a read-only file system met while writing `path` into a StorageError
-    that names it and what to do; any other OSError passes unchanged."""
+    that names it and what to do (`fix`, for a file outside the build folder such as a learner's work/; else how to
+    move the build folder); any other OSError passes unchanged."""
     try:
         yield
     except StorageError:
@@ -43,20 +44,20 @@ def storage_errors(path: str | Path):
     except OSError as exc:
         if exc.errno not in _NO_ROOM:
             raise
-        what_to_do = ("set COURSE_BUILD_DIR to a writable folder elsewhere" if exc.errno == errno.EROFS else
-                      "free some space on it, or set COURSE_BUILD_DIR to a folder on another disk")
+        what_to_do = fix or ("set COURSE_BUILD_DIR to a writable folder elsewhere" if exc.errno == errno.EROFS else
+                             "free some space on it, or set COURSE_BUILD_DIR to a folder on another disk")
         error = StorageError(f"cannot write {path}: {_NO_ROOM[exc.errno]} ({os.strerror(exc.errno)}); "
                              f"{what_to_do}, and run again")
         error.errno = exc.errno          # the message stays as written: no filename, which would reformat it
         raise error from exc
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
+def write_text_atomic(path: str | Path, text: str, *, fix: str | None = None) -> Path:
     """Write `text` to `path` through a temporary file and a rename (readers see old or new, never half).
     The file keeps its mode; a new one gets what `open()` gives (0644 under the usual umask: a generated lab must
     stay readable by the learners a hub copies it for; privacy is the folders' job)."""
     path = Path(path)
-    with storage_errors(path):
+    with storage_errors(path, fix):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)      # the umask applies, as for open()

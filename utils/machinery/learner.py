@@ -17,7 +17,6 @@ import datetime as _dt
 import hashlib
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from utils.base import state
 from utils.base.paths import REPO_ROOT, build_dir, private_dir, run_environment
 
 WORK = REPO_ROOT / "work"
+# what to do when work/'s disk is full or read-only (COURSE_BUILD_DIR does not move work/)
+WORK_FULL = "free some space on that disk (your notebooks in work/ are as they were), and run `make update` again"
 CELL_TIMEOUT = 1800   # seconds one cell may run under `progress --run` (as the harness's runs)
 STATES = ("passed", "failed", "not done", "changed since graded")
 _GRADE = re.compile(r"""ex\.grade\(\s*["'](?P<id>\d+\.\d+)["']\s*,\s*(?:"(?P<title>[^"]*)"|'(?P<title1>[^']*)')""")
@@ -121,8 +122,12 @@ def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], b
             lines.append(f"{_rel(mine)}: replaced by the course's new version (you had not changed it)")
             continue
         backup = work / ".backup" / f"{Path(name).stem}-{stamp}.ipynb"
-        backup.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(mine, backup)
+        try:                             # whole or not at all: a full disk leaves no empty backup to restore from
+            state.write_text_atomic(backup, mine.read_text(), fix=WORK_FULL)
+        except state.StorageError as err:
+            ok = False
+            lines.append(f"{_rel(mine)}: not updated, your notebook is as it was: {err}")
+            continue
         read = [nbformat.read(p, as_version=solutions.NB_VERSION) for p in (base, mine, course)]
         merged, decisions = merge_notebooks(*read)
         conflicts = _conflicts(merged, decisions)
@@ -135,7 +140,12 @@ def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], b
                          f"'<<<<<<< local' and '>>>>>>> remote'): fix those cells, save it as {_rel(mine)}, run "
                          "`make update` again; or keep yours and copy the course's changes by hand")
             continue
-        state.write_text_atomic(mine, _text(merged))
+        try:
+            state.write_text_atomic(mine, _text(merged), fix=WORK_FULL)
+        except state.StorageError as err:
+            ok = False
+            lines.append(f"{_rel(mine)}: not updated, your notebook is as it was (a copy: {_rel(backup)}): {err}")
+            continue
         _set_base(work, name, course)
         lines.append(f"{_rel(mine)}: merged the course's new version into your answers (yours before: {_rel(backup)})")
     return lines, ok
@@ -294,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         print(progress_table(run=args.run))
         return 0
     if args.cmd == "update":
-        lines, ok = update()
+        try:
+            lines, ok = update()
+        except state.StorageError as err:     # e.g. work/.course/ on a full disk: named, with what to do
+            print(f"make update stopped: {err}", file=sys.stderr)
+            return 1
         print("\n".join(lines) if lines else f"{_rel(WORK)}: up to date with {_rel(solutions.LABS)}")
         return 0 if ok else 1
     lines = workspace()

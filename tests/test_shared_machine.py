@@ -381,6 +381,6 @@ def test_a_lab_started_outside_make_gets_the_course_caches(tmp_path, monkeypatch
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(course, "check_parameters", lambda lab, scope: None)
     monkeypatch.setattr(course.devices, "detect", lambda d: types.SimpleNamespace(is_gpu=True))
-    monkeypatch.setattr(course.record, "start", lambda lab, dev: None)
+    monkeypatch.setattr(course.record, "start", lambda lab, dev: types.SimpleNamespace(given=lambda parameters: None))
     course.start("00_environment", {"DEVICE": "cpu"})
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "build" / "cache" / "torchinductor")

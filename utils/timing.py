@@ -81,10 +81,10 @@ class Timing:
 
 @contextlib.contextmanager
 def one_cpu_thread(device):
-    """On a CPU, PyTorch's own work on one thread while the block runs (restored after). From 32,768 elements an
-    element-wise op splits across intra-op threads, and on a busy 2-core machine the second thread waits for a core:
-    a sweep then jumps by 10x between neighbouring sizes (measured at 65,536); one thread gives steady figures.
-    On a GPU nothing changes."""
+    """On a CPU, PyTorch's own work on one thread while the block runs (restored after). Above its grain size
+    (32,768 elements, `at::internal::GRAIN_SIZE`) an element-wise op splits across intra-op threads, and on a busy
+    2-core machine the second thread waits for a core: lab 01's sweep fell towards 0 GB/s at 65,536 elements there,
+    where one thread gave a steady 40 GB/s. On a GPU nothing changes."""
     import torch
 
     if _platform(device).is_gpu:

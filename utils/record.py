@@ -300,7 +300,7 @@ def record_source(reference: dict | None, lab: str, stem: str = "h100") -> str:
 
 
 def beside_record(rec: "Recorder", key: str, reference: dict | None, lab: str) -> str:
-    """One figure as this run measured it beside the record's: "this run: 98.3 GB/s (5% of peak); the record: ..."."""
+    """One figure of this run beside the record's: "this run: <value (share of peak)>; the record: <value ...>"."""
     mine = rec.data["metrics"].get(key)
     theirs = reference_metrics(reference, lab).get(key)
     this = f"this run: {describe(mine)}" if mine else "this run: not measured"

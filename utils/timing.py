@@ -83,8 +83,8 @@ class Timing:
 def one_cpu_thread(device):
     """On a CPU, PyTorch's own work on one thread while the block runs (restored after). Above its grain size
     (32,768 elements, `at::internal::GRAIN_SIZE`) an element-wise op splits across intra-op threads, and on a busy
-    2-core machine the second thread waits for a core: lab 01's sweep fell towards 0 GB/s at 65,536 elements there,
-    where one thread gave a steady 40 GB/s. On a GPU nothing changes."""
+    2-core machine the second thread waits for a core: lab 01's sweep fell towards zero at 65,536 elements there,
+    where one thread gave steady figures. On a GPU nothing changes."""
     import torch
 
     if _platform(device).is_gpu:

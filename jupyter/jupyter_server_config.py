@@ -37,7 +37,3 @@ class CourseContentsManager(AsyncLargeFileManager):
 
 
 c.ServerApp.contents_manager_class = CourseContentsManager
-
-# Kernels talk to the server over Unix sockets in this user's private runtime folder (0700), not over TCP ports that
-# every local user of a shared workshop machine can connect to (ipykernel warns about plain TCP at every start).
-c.KernelManager.transport = "ipc"

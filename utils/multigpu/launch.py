@@ -116,7 +116,6 @@ class Run:
     port: int | None = None        # torchrun's c10d rendezvous port (several nodes); None on one machine
     store: Path | None = None      # the file store of a one-machine run, in a private folder removed at its end
     nodes: int = 1
-    private_network: bool = False  # several nodes: the agents ran in a network namespace of their own (netns.py)
     pgids: list[int] = field(default_factory=list)
     nonces: list[str] = field(default_factory=list)   # in every process's environment (utils.base.processes)
     seconds: float = 0.0
@@ -420,7 +419,7 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
                                       is_host=(i == 0) if nnodes > 1 else None, python=python)
             for i in range(nnodes)]
     run = Run(name=name, command=cmds, log=root / "logs" / f"{stamp}.log", log_dir=log_dir, out_dir=out_dir,
-              port=port, nodes=nnodes, private_network=not refused)
+              port=port, nodes=nnodes)
     agents = [processes.Owned(cmd, log_path=run.log.with_suffix(f".node{i}.log") if nnodes > 1 else run.log,
                               env=rank_environment, label=f"torchrun {name} node {i}", stop_timeout=10)
               for i, cmd in enumerate(cmds)]

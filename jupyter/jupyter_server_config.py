@@ -37,3 +37,16 @@ class CourseContentsManager(AsyncLargeFileManager):
 
 
 c.ServerApp.contents_manager_class = CourseContentsManager
+
+
+# Kernels talk to the server over CurveZMQ-encrypted TCP (keys the server provisions; "auto" keeps plain TCP for a
+# kernelspec that cannot take them): a second local user on a workshop machine cannot read a learner's code and
+# outputs off the loopback ports, and ipykernel has no "running over TCP without encryption" warning to print.
+import zmq  # noqa: E402
+
+if zmq.has("curve"):
+    c.MappingKernelManager.transport_encryption = "auto"
+
+# jupyter_server asks tornado for a websocket ping timeout of three ping intervals, which tornado cuts back to one
+# interval with a warning on every `make lab`: ask for what tornado grants (30 s, jupyter_server's interval).
+c.ServerApp.tornado_settings = {"ws_ping_timeout": 30000}

@@ -292,6 +292,13 @@ def test_the_load_figures_show_a_level_that_measured_nothing():
     sat = loadgen.plot_saturation([empty, good], ceiling=lambda c: 100 * c)
     assert any("measured nothing" in t.get_text() for t in sat.axes[0].texts)
     assert len(loadgen.plot_rates([rate], slo_ttft_s=0.3).axes) == 2          # the latencies and a requests/s axis
+    # one request per level (a busy CPU): no median, so each level is its mean, hollow and labelled, not a bare frame
+    one = [loadgen.Level(m, x, (10.0, 20.0), [synthetic_stream(10.5, 0.1, 0.05, 11)]).summary()
+           for m, x in (("concurrency", 1), ("rate", 0.5))]
+    knee, rates = loadgen.plot_knee([one[0]], [one[1]]), loadgen.plot_rates([one[1]])
+    for fig in (knee, rates):
+        hollow = [l for l in fig.axes[0].lines if l.get_markerfacecolor() == "none" and l.get_xdata().size]
+        assert hollow and any("mean of < 2 requests" in l.get_label() for l in hollow)
     import matplotlib.pyplot as plt
 
     plt.close("all")

@@ -249,6 +249,8 @@ def test_make_lab_opens_lab00_at_the_repo_root_clean(lab, browser):
     if os.geteuid() == 0:
         assert "make lab: running as root" in log and "--allow-root" in log
     assert "nbgrader" not in log.lower(), "nbgrader's server extensions were loaded for a learner"
+    # kernels are reached over CurveZMQ, and the websocket ping settings are ones tornado accepts (jupyter/)
+    assert "without encryption" not in log and "websocket_ping_timeout" not in log, log
 
 
 def test_run_all_with_the_exercises_solved_passes_and_plots_and_survives_make_labs(lab, browser):

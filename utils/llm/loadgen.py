@@ -600,8 +600,9 @@ def _load_label(summary: dict) -> str:
 
 def plot_knee(closed, opened, *, slo_tpot_s=None, title: str = ""):
     """The knee: time per output token (p50, and p90 where 10 requests support it) against output tokens/s as
-    the load grows, from ``Level.summary()`` dicts. A level that completed no request has no TPOT: it is drawn
-    as a red cross on the x axis, labelled "measured nothing", never left out."""
+    the load grows, from ``Level.summary()`` dicts. A level with too few requests for a median is its mean, hollow;
+    one that completed no request has no TPOT: a red cross on the x axis, labelled "measured nothing", never left
+    out."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=FIGSIZE)
@@ -613,6 +614,10 @@ def plot_knee(closed, opened, *, slo_tpot_s=None, title: str = ""):
             pts = [(r["output_tokens_per_s"], 1e3 * r["tpot"][q]) for r in good if supported(r["tpot"], q)]
             if pts:
                 ax.plot(*zip(*pts), marker + style, label=f"{mode}, TPOT {q}")
+        few = [r for r in good if not supported(r["tpot"], "p50")]
+        if few:     # too few requests for a median: the mean, hollow, said as such (never an empty frame)
+            ax.plot([r["output_tokens_per_s"] for r in few], [1e3 * r["tpot"]["mean"] for r in few], marker,
+                    mfc="none", color="gray", ls="none", label=f"{mode}, TPOT mean of < {needs('p50')} requests")
         for r in good:
             y = r["tpot"]["p50"] if supported(r["tpot"], "p50") else r["tpot"]["mean"]
             ax.annotate(_load_label(r), (r["output_tokens_per_s"], 1e3 * y), fontsize=8, xytext=(4, 4),
@@ -645,6 +650,11 @@ def plot_rates(opened, *, slo_ttft_s=None, slo_tpot_s=None, title: str = ""):
             pts = [(r["load"], 1e3 * r[what][q]) for r in opened if supported(r[what], q)]
             if pts:
                 ax.plot(*zip(*pts), "o" + style, color=color, label=f"{what.upper()} {q}")
+        few = [(r["load"], 1e3 * r[what]["mean"]) for r in opened
+               if r[what]["n"] and not supported(r[what], "p50") and not completed_nothing(r)]
+        if few:     # too few requests for a median: the mean, hollow, said as such
+            ax.plot(*zip(*few), "o", mfc="none", ls="none", color=color,
+                    label=f"{what.upper()} mean of < {needs('p50')} requests")
     for slo, color in ((slo_ttft_s, "tab:blue"), (slo_tpot_s, "tab:orange")):
         if slo:
             ax.axhline(1e3 * slo, color=color, lw=0.8, alpha=0.6)

@@ -253,3 +253,36 @@ def test_binder_start_uses_the_course_settings():
     assert env["JUPYTER_CONFIG_PATH"] == f"{ROOT}/jupyter:/elsewhere"
     assert env["PYTHONPATH"] == str(ROOT) and env["HF_HUB_OFFLINE"] == "1"
     assert (ROOT / "binder" / "start").stat().st_mode & 0o111
+
+
+def test_a_copy_whose_run_the_record_now_holds_says_its_record_lines_predate_it(tmp_path):
+    """A copy prints the record as it stood before its own run was merged: once the record holds the run, the copy
+    carries a note with the record's figures today (and its source hash, so its staleness, does not change)."""
+    copy = tmp_path / "00_environment.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lab 00"), nbformat.v4.new_code_cell("print(1)")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="Beside the course's H100 record "
+                                                                    "(utils/reference/h100.json: run OLD): 724.1\n")]
+    nb.metadata[executed.KEY] = {"run_id": "RUN-1"}
+    copy.write_text(nbformat.writes(nb))
+    before = executed.source_hash(nbformat.read(copy, as_version=4))
+    metric = {"value": 759.1, "unit": "TFLOP/s", "label": "torch.matmul | bf16", "size": {"n": 8192}}
+    records = {"h100": {"labs": {"00_environment": {"run_id": "RUN-1", "metrics": {"environment.matmul_tflops": metric}}}}}
+    assert executed.add_record_note(copy, records=records)
+    again = nbformat.read(copy, as_version=4)
+    note = again.cells[1]
+    assert note.get("id") == executed.NOTE_ID and "759.1 TFLOP/s" in note.source and "RUN-1" in note.source
+    assert "torch.matmul / bf16" in note.source                # a bar in a label keeps the table whole
+    assert executed.source_hash(again) == before
+    assert not executed.add_record_note(copy, records=records)                     # already there: unchanged
+    other = {"h100": {"labs": {"00_environment": {"run_id": "RUN-2", "metrics": {}}}}}
+    assert executed.add_record_note(copy, records=other)                           # no longer applies: removed
+    assert all(c.get("id") != executed.NOTE_ID for c in nbformat.read(copy, as_version=4).cells)
+
+
+def test_every_committed_copy_carries_the_record_note_it_needs():
+    for copy in sorted(executed.COPIES.glob("*.ipynb")):
+        nb = nbformat.read(copy, as_version=4)
+        note = executed.record_note(nb, copy.stem)
+        notes = [c.source for c in nb.cells if c.get("id") == executed.NOTE_ID]
+        assert notes == ([note] if note else []), f"{copy.name}: run python -m utils.machinery.executed prose"

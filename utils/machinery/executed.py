@@ -9,6 +9,7 @@ older than its solution. Huge outputs are left out of a copy (with a line saying
     python -m utils.machinery.executed copy build/executed/*.ipynb     # after `make run` on a GPU
     python -m utils.machinery.executed check                            # which copies are missing or stale
     python -m utils.machinery.executed prose                            # a prose-only change: copies take it
+                                                                        # (and each its note on older record lines)
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ import nbformat
 
 from utils.base import state
 from utils.base.paths import REPO_ROOT, SOLUTIONS_DIR as SOLUTIONS
-from utils.record import device_label, gpus_of
+from utils.record import describe as describe_figure, device_label, gpus_of, reference_path, reference_records
 from utils.stack import software_stack
 
 COPIES = REPO_ROOT / "docs" / "executed"
 KEY = "course_executed"
+NOTE_ID = "course-record-note"    # the cell that says which record lines of a copy predate its own run's figures
 MAX_TEXT_BYTES = 64 * 1024        # one output's text
 MAX_IMAGE_BYTES = 512 * 1024      # one image (base64)
 MAX_COPY_BYTES = 4 * 2**20        # a whole copy, after stripping
@@ -40,7 +42,7 @@ def source_hash(nb) -> str:
     outputs do not count), so an executed copy and its solution hash alike until the solution changes."""
     h = hashlib.sha256()
     for cell in nb.cells:
-        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []) or cell.get("id") == NOTE_ID:
             continue
         h.update(cell.cell_type.encode() + b"\0" + cell.source.encode() + b"\0")
     return h.hexdigest()
@@ -161,6 +163,56 @@ def make_copy(executed: Path, out_dir: Path = COPIES, *, solution: Path | None =
     return state.write_text_atomic(Path(out_dir) / executed.name, text)
 
 
+def _prints_a_record(nb) -> bool:
+    """Whether any output of the copy quotes a reference record (a line naming utils/reference/...)."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text") or (out.get("data") or {}).get("text/plain") or (out.get("data") or {}).get(
+                "text/markdown") or ""
+            if "utils/reference/" in ("".join(text) if isinstance(text, list) else text):
+                return True
+    return False
+
+
+def record_note(nb, lab: str, records: dict[str, dict] | None = None) -> str | None:
+    """The note a copy needs when a reference record now holds the copy's own run: the record lines it printed
+    quote the record as it stood before that run was merged in, so the note names the record's figures now."""
+    run = (nb.metadata.get(KEY) or {}).get("run_id")
+    if not run or not _prints_a_record(nb):
+        return None
+    for stem, data in (records if records is not None else reference_records()).items():
+        entry = (data.get("labs") or {}).get(lab) or {}
+        if entry.get("run_id") != run:
+            continue
+        size = lambda m: ", ".join(f"{k} {v}" for k, v in (m.get("size") or {}).items()) if isinstance(
+            m.get("size"), dict) else str(m.get("size") or "")
+        rows = "\n".join(f"| {(m.get('label') or key).replace('|', '/')} | {size(m).replace('|', '/')} | "
+                         f"{describe_figure(m).replace('|', '/')} |"
+                         for key, m in sorted((entry.get("metrics") or {}).items()))
+        return (f"**About the record lines in this copy.** This copy is run `{run}`, and `{reference_path(stem)}` "
+                f"now holds this run's own figures. A line below that quotes the course's record shows the record as "
+                f"it stood *before* this run was merged into it (it names that earlier run where it can); the record "
+                f"today:\n\n| figure | size | the record ({reference_path(stem)}) |\n|---|---|---|\n{rows}")
+    return None
+
+
+def add_record_note(copy: Path, lab: str | None = None, records: dict[str, dict] | None = None) -> bool:
+    """Put (or refresh) the record note as the copy's second cell; remove a note that no longer applies. Returns
+    whether the file changed."""
+    nb = nbformat.read(copy, as_version=4)
+    cells = [c for c in nb.cells if c.get("id") != NOTE_ID]
+    note = record_note(nb, lab or copy.stem, records)
+    if note:
+        cell = nbformat.v4.new_markdown_cell(note)
+        cell["id"] = NOTE_ID
+        cells.insert(1, cell)
+    if [c.source for c in cells] == [c.source for c in nb.cells]:
+        return False
+    nb.cells = cells
+    state.write_text_atomic(copy, nbformat.writes(nb) + "\n")
+    return True
+
+
 def stale(out_dir: Path = COPIES, solutions_dir: Path = SOLUTIONS) -> dict[str, str]:
     """{lab: why} for every solution whose executed copy is missing, unstamped or older than it."""
     found = {}
@@ -215,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         for solution in sorted(SOLUTIONS.glob("*.ipynb")):
             if (COPIES / solution.name).exists() and take_prose(COPIES / solution.name, solution):
                 print(f"{COPIES / solution.name}: prose from {solution} (its code cells unchanged)")
+        for copy in sorted(COPIES.glob("*.ipynb")):
+            if add_record_note(copy):
+                print(f"{copy}: its note on the record lines it printed before the record held its run")
         return 0
     for line in describe():
         print(line)

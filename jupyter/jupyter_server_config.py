@@ -47,6 +47,16 @@ import zmq  # noqa: E402
 if zmq.has("curve"):
     c.MappingKernelManager.transport_encryption = "auto"
 
-# jupyter_server asks tornado for a websocket ping timeout of three ping intervals, which tornado cuts back to one
-# interval with a warning on every `make lab`: ask for what tornado grants (30 s, jupyter_server's interval).
-c.ServerApp.tornado_settings = {"ws_ping_timeout": 30000}
+# jupyter_server keeps its websockets alive itself, with an interval and a timeout in milliseconds (30 s, 90 s); tornado
+# reads the same two figures as seconds, finds the timeout longer than the interval and warns on every `make lab`
+# ("The websocket_ping_timeout (90000) cannot be longer than ..."). Nothing is wrong (tornado then pings every 30000 s,
+# and jupyter_server's own keep-alive works), and making the two equal closes busy kernels' websockets: drop the line.
+import logging  # noqa: E402
+
+
+class _TornadoPingUnits(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "websocket_ping_timeout" not in record.getMessage()
+
+
+logging.getLogger("tornado.general").addFilter(_TornadoPingUnits())

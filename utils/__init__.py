@@ -18,6 +18,7 @@ The kit (what a lab's notebook imports):
     occupancy   resident wavefronts/warps per CU/SM from a kernel's registers and shared memory
     simt        a tiny SIMT machine: lanes in lock-step, divergence, masks (lab 02)
     stack       the software stack, and how to install what is missing
+    blocks      block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K): bytes, fields, decoding
 
 Lab families:
     llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of
@@ -29,9 +30,11 @@ Lab families:
                 one-shot all-reduce + residual add + RMSNorm), tp (tensor parallelism),
                 attribution (where a step's time goes: collectives counted once, compute / communication / idle)
     clinic/     lab 07: doctor, divergence, faults, traces
+    quant/      lab 08: gguffile (GGUF files: SmolLM2's, a planted fault, a random Llama), llamacpp (llama.cpp's
+                engines and backends: the wheel, a source build's tools), reference (the NumPy forward pass)
 
 The graders (the notebooks import them; one module per lab):
-    graders/    lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07: each exercise's checker with its cases
+    graders/    lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07, lab08: each exercise's checker with its cases
                 and hints, out of the lesson's way
 
 The machinery (make run, make labs, make report, make check; no notebook imports it):

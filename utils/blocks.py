@@ -1,0 +1,114 @@
+"""Block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K): one record per format, its bytes and fields."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    """A format that stores `block` weights in `nbytes` bytes: its scale fields (fp16, in this order, at the
+    start of the block), then the packed integers. `name` is GGUF's (ggml's) type name."""
+    name: str
+    block: int            # weights per block
+    nbytes: int           # bytes per block
+    scales: tuple[str, ...] = ()   # fp16 fields at the block's start: "d" (scale), "m" (minimum)
+    bits: int = 4         # bits per packed integer
+    offset: int = 0       # the integer's zero: w = d * (q - offset) [+ m]
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.block
+
+    @property
+    def ggml_type(self):
+        """gguf's GGMLQuantizationType for this format (the `gguf` package, imported when asked)."""
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.name]
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of `k` weights; `k` must be a whole number of blocks."""
+        if k <= 0 or k % self.block:
+            raise ValueError(f"{self.name} rows hold whole blocks of {self.block} weights: {k} is not a positive "
+                             f"multiple of {self.block}")
+        return k // self.block * self.nbytes
+
+
+# Layouts: ggml's block_q4_0 / block_q4_1 / block_q8_0 / block_q4_K (ggml-common.h); sizes agree with
+# gguf.GGML_QUANT_SIZES (tests/test_lab08.py checks).
+Q4_0 = BlockFormat("Q4_0", 32, 18, ("d",), 4, 8)
+Q4_1 = BlockFormat("Q4_1", 32, 20, ("d", "m"), 4, 0)
+Q8_0 = BlockFormat("Q8_0", 32, 34, ("d",), 8, 0)
+Q4_K = BlockFormat("Q4_K", 256, 144, ("d", "dmin"), 4, 0)     # super-blocks: 8 sub-blocks with 6-bit scales
+FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K)}
+
+
+def fmt(name: str | BlockFormat) -> BlockFormat:
+    """The record for "Q4_0", "q4_1", ... (a BlockFormat passes through)."""
+    if isinstance(name, BlockFormat):
+        return name
+    try:
+        return FORMATS[str(name).upper()]
+    except KeyError:
+        raise ValueError(f"unknown block format {name!r}: one of {', '.join(FORMATS)}") from None
+
+
+def random_blocks(name: str | BlockFormat, n: int, *, seed: int = 0, scale: float = 0.02,
+                  awkward: bool = False) -> np.ndarray:
+    """`n` random blocks of a 4-bit format as uint8 bytes, shape (n, nbytes): nibbles uniform, fp16 scales of
+    about `scale` with either sign (Q4_1's minimum too). `awkward`: the first blocks are a zero scale, all-0 and
+    all-15 nibbles, a negative minimum, and the largest and smallest normal fp16 scales."""
+    f = fmt(name)
+    if f.bits != 4 or f.block != 32:
+        raise ValueError(f"random_blocks draws 32-weight 4-bit blocks (Q4_0, Q4_1), not {f.name}")
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, f.nbytes), np.uint8)
+    out[:, 2 * len(f.scales):] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    for i in range(len(f.scales)):
+        s = (rng.standard_normal(n) * scale).astype(np.float16)
+        out[:, 2 * i:2 * i + 2] = s.view(np.uint8).reshape(n, 2)
+    if awkward:
+        specials = [(0.0, -0.5, 0x00), (0.0, 0.0, 0xFF), (1.0, -1.0, 0x00), (1.0, -1.0, 0xFF),
+                    (-0.25, -3.0, 0x5A), (65504.0, -65504.0, 0xF0), (6.1035e-05, 6.1035e-05, 0x0F)]
+        for i, (d, m, nib) in enumerate(specials[:n]):
+            out[i, 0:2] = np.array([d], np.float16).view(np.uint8)
+            if "m" in f.scales:
+                out[i, 2:4] = np.array([m], np.float16).view(np.uint8)
+            out[i, 2 * len(f.scales):] = nib
+    return out
+
+
+def decode(data: np.ndarray, name: str | BlockFormat) -> np.ndarray:
+    """The weights of Q4_0, Q4_1 or Q8_0 blocks (uint8, the last axis a row's bytes) as float32, decoded in a few
+    NumPy operations: the same values as `dequantize` (tests/test_lab08.py checks), several times faster."""
+    f = fmt(name)
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    rows = data.shape[:-1]
+    b = data.reshape(-1, f.nbytes)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if f is Q8_0:
+        w = d * b[:, 2:].view(np.int8).astype(np.float32)
+    elif f in (Q4_0, Q4_1):
+        qs = b[:, 2 * len(f.scales):]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+        w = d * (q - 8) if f is Q4_0 else d * q + b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    else:
+        return dequantize(data, f)
+    return w.reshape(*rows, -1)
+
+
+def dequantize(data: np.ndarray, name: str | BlockFormat) -> np.ndarray:
+    """The weights `gguf`'s own NumPy dequantizer gives for these blocks (float32; the last axis expands from
+    bytes per row to weights per row): the reference every course decoder is checked against."""
+    import gguf
+
+    return gguf.quants.dequantize(np.ascontiguousarray(data, dtype=np.uint8), fmt(name).ggml_type)
+
+
+def quantize(weights: np.ndarray, name: str | BlockFormat) -> np.ndarray:
+    """float32 weights (rows of whole blocks) to the format's bytes, by `gguf`'s own quantizer."""
+    import gguf
+
+    return gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), fmt(name).ggml_type)

@@ -1,0 +1,222 @@
+"""Lab 08's graders: 8.1 dequantize Q4_1, 8.2 the Q4 GEMV's inner loop, 8.3 the numbers that compare two backends."""
+import math
+import secrets
+
+import numpy as np
+import torch
+
+from utils import blocks
+from utils.exercises import call_answer, check
+
+
+def _fresh_seed() -> int:
+    """Fresh inputs on every grading (a learner cannot fit an answer to one draw); the seed is in the hint."""
+    return secrets.randbelow(2**31)
+
+
+# --- 8.1: Q4_1 blocks to weights ----------------------------------------------------------------------------
+
+def _q4_1_mistakes(b: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Known wrong decoders of Q4_1 blocks, each with the hint meant for it (a wrong decoder can make NaN and inf
+    of some blocks: computed quietly)."""
+    np_errors = np.seterr(all="ignore")
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = b[:, 4:]
+    lo, hi = (qs & 0x0F).astype(np.float32), (qs >> 4).astype(np.float32)
+    ggml = np.concatenate([lo, hi], axis=1)
+    inter = np.stack([lo, hi], axis=2).reshape(len(b), 32)
+    swapped = np.concatenate([hi, lo], axis=1)
+    be = lambda cols: b[:, cols][:, ::-1].copy().view(np.float16).astype(np.float32)     # bytes read big-endian
+    mistakes = [
+        ("weights 0-15 are the LOW nibbles of the 16 bytes and weights 16-31 their HIGH nibbles (ggml's order), "
+         "not low and high of each byte side by side", d * inter + m),
+        ("the low nibbles come first (weights 0-15), the high nibbles second", d * swapped + m),
+        ("Q4_1 adds the block's minimum: w = d * q + m (m is the fp16 in bytes 2-3)", d * ggml),
+        ("Q4_1 has no offset of 8 (that is Q4_0): w = d * q + m", d * (ggml - 8) + m),
+        ("d is bytes 0-1 and m bytes 2-3: they are swapped", m * ggml + d),
+        ("the fp16 fields are little-endian (the low byte first): view the two bytes as np.float16",
+         be([0, 1]) * ggml + be([2, 3])),
+    ]
+    np.seterr(**np_errors)
+    return mistakes
+
+
+def check_dequantize_q4_1(f):
+    """f(blocks) -> float32 weights (n, 32) for uint8 Q4_1 blocks (n, 20): equal to gguf's own dequantizer on fresh
+    random blocks and the awkward ones (zero scale, nibbles 0 and 15, negative minimums, the largest fp16)."""
+    seed = _fresh_seed()
+    for n in (64, 7, 1):      # the most blocks first: every awkward one and random ones tell the mistakes apart
+        data = blocks.random_blocks("Q4_1", n, seed=seed + n, awkward=True, scale=0.05)
+        given = data.copy()
+        got = call_answer("dequantize_q4_1", f, (given,), f"{n} Q4_1 block(s) (uint8, shape {data.shape}, seed {seed})")
+        if not np.array_equal(given, data):
+            check("dequantize_q4_1", False, "your function changed the blocks it was given: read them, never write")
+        want = blocks.dequantize(data, "Q4_1")
+        if isinstance(got, torch.Tensor):
+            got = got.detach().cpu().numpy()
+        if not isinstance(got, np.ndarray):
+            check("dequantize_q4_1", False, f"return a NumPy array of float32 weights, shape ({n}, 32); got {type(got).__name__}")
+        if got.size == want.size and got.shape != want.shape:
+            check("dequantize_q4_1", False, f"return one row of 32 weights per block: shape ({n}, 32), got {got.shape}")
+        if got.shape != want.shape:
+            check("dequantize_q4_1", False, f"{n} blocks hold {n} x 32 weights: shape ({n}, 32), got {got.shape}")
+        if got.dtype != np.float32:
+            check("dequantize_q4_1", False, f"return float32 weights, as ggml does (got {got.dtype}): .astype(np.float32)")
+        if np.array_equal(got, want):           # every value equal (a zero's sign aside), NaN nowhere
+            continue
+        why = next((hint for hint, wrong in _q4_1_mistakes(data) if np.array_equal(got, wrong, equal_nan=True)), None)
+        i, j = map(int, np.argwhere(got != want)[0])
+        check("dequantize_q4_1", False, f"block {i} (bytes {data[i, :4].tolist()} then nibbles), weight {j}: "
+                                        f"{want[i, j]!r} expected, got {got[i, j]!r}"
+                                        + (f": {why}" if why else f" (seed {seed})"))
+    check("dequantize_q4_1", True, "")
+
+
+# --- 8.2: the GEMV that never expands the weights -----------------------------------------------------------
+
+GEMV_CASES = [(1, 32, "float32"), (7, 64, "float16"), (33, 32 * 37, "float32"), (96, 256, "bfloat16"),
+              (5, 32 * 130, "float32")]      # (rows N, columns K, x's dtype): block counts that end inside a step
+
+
+def _gemv_mistakes(data: np.ndarray, x: np.ndarray, qtype: str, step_blocks: int) -> list[tuple[str, np.ndarray]]:
+    """Known wrong inner loops, as whole products (float64), each with its hint."""
+    f = blocks.fmt(qtype)
+    n = data.shape[0]
+    b = data.reshape(-1, f.nbytes)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float64)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float64) if f.name == "Q4_1" else np.zeros_like(d)
+    qs = b[:, -16:]
+    lo, hi = (qs & 0x0F).astype(np.float64), (qs >> 4).astype(np.float64)
+    q = np.concatenate([lo, hi], 1)
+    zero = 0.0 if f.name == "Q4_1" else 8.0
+    product = lambda w: (w.reshape(n, -1) * x[None]).sum(axis=1)
+    per_block = lambda w: (w.reshape(n, -1, 32) * x.reshape(-1, 32)[None]).sum(axis=2)       # (n, blocks)
+    right = d * (q - zero) + m
+    first_of_last = (x.size // 32 - 1) // step_blocks * step_blocks
+    mistakes = [
+        ("the low nibble is weight c % 16 (times x_lo) and the high nibble weight c % 16 + 16 (times x_hi): swapped",
+         product(d * (np.concatenate([hi, lo], 1) - zero) + m)),
+        ("acc += ...: every step of the loop adds its bytes (acc = ... keeps only the last step's)",
+         per_block(right)[:, first_of_last:].sum(axis=1)),
+        ("subtract ZERO from the nibble before scaling by d: w = d * (q - ZERO) (+ m), not d * q - ZERO",
+         product(d * q - zero + m)),
+    ]
+    if f.name == "Q4_0":
+        mistakes.append(("Q4_0's weights are d * (q - 8): subtract ZERO from each nibble", product(d * q)))
+    else:
+        mistakes += [("Q4_1 adds the block's minimum: + m * (x_lo + x_hi) for the byte's two weights", product(d * q)),
+                     ("m belongs to both weights of the byte: m * (x_lo + x_hi), not m * x_lo alone",
+                      product(d * q) + per_block(np.concatenate([m + 0 * lo, 0 * hi], 1)).sum(axis=1))]
+    return mistakes
+
+
+def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
+    """q4_gemv(weights, x, qtype=...) against gguf's dequantization then a float64 product, for Q4_0 and Q4_1, odd
+    row counts and block counts that end inside a step of the loop (`step_blocks` blocks a step); x in float32,
+    float16 and bfloat16."""
+    seed = _fresh_seed()
+    rng = np.random.default_rng(seed)
+    for qtype in ("Q4_0", "Q4_1"):
+        for n, k, dtype in GEMV_CASES:
+            data = blocks.random_blocks(qtype, n * k // 32, seed=seed + n + k, awkward=n * k >= 2048).reshape(n, -1)
+            x = torch.from_numpy(rng.standard_normal(k).astype(np.float32)).to(getattr(torch, dtype))
+            w_t, x_t = torch.from_numpy(data.copy()).to(device), x.to(device)
+            what = f"{qtype} weights {n}x{k} (uint8 {tuple(w_t.shape)}), x {dtype} ({k},), seed {seed}"
+            y = call_answer("q4_gemv", lambda: q4_gemv(w_t, x_t, qtype=qtype), (), what)
+            if not torch.equal(w_t.cpu(), torch.from_numpy(data)) or not torch.equal(x_t.cpu(), x):
+                check("q4_gemv", False, f"{what}: an input changed: the kernel must only read the weights and x")
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != (n,):
+                check("q4_gemv", False, f"{what}: expected a tensor of {n} outputs, got "
+                                        f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+            got = y.detach().double().cpu().numpy()
+            xs = x.double().numpy()
+            w = blocks.dequantize(data, qtype).astype(np.float64)
+            want, scale = w @ xs, np.abs(w) @ np.abs(xs) + 1e-30
+            err = float(np.max(np.abs(got - want) / scale))
+            if err < 1e-5:
+                continue
+            why = next((hint for hint, wrong in _gemv_mistakes(data, xs, qtype, step_blocks)
+                        if np.max(np.abs(got - wrong) / scale) < 1e-5), None)
+            check("q4_gemv", False, f"{what}: relative error {err:.2e} (tolerance 1e-5)" + (f": {why}" if why else ""))
+    check("q4_gemv", True, "")
+
+
+# --- 8.3: how far apart two backends' next-token distributions are ------------------------------------------
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def reference_stats(ref_logits, test_logits, tokens) -> dict:
+    """The three figures, computed in float64 (the grader's answer)."""
+    lr, lt = _log_softmax(np.asarray(ref_logits)), _log_softmax(np.asarray(test_logits))
+    rows = np.arange(len(tokens))
+    tok = np.asarray(tokens)
+    ppl = lambda lp: math.exp(-lp[rows, tok].mean())
+    return {"ppl_ratio": ppl(lt) / ppl(lr),
+            "kl": float((np.exp(lr) * (lr - lt)).sum(axis=1).mean()),
+            "top1": float((lr.argmax(axis=1) == lt.argmax(axis=1)).mean())}
+
+
+def _stats_mistakes(ref, test, tokens) -> list[tuple[str, dict]]:
+    lr, lt = _log_softmax(ref), _log_softmax(test)
+    rows, tok = np.arange(len(tokens)), np.asarray(tokens)
+    ppl = lambda lp: math.exp(-lp[rows, tok].mean())
+    right = reference_stats(ref, test, tokens)
+    return [
+        ("kl: KL(ref || test) weighs by the REFERENCE's probabilities: sum p_ref * (log p_ref - log p_test)",
+         dict(right, kl=float((np.exp(lt) * (lt - lr)).sum(axis=1).mean()))),
+        ("kl: the logarithms are of probabilities (log-softmax of the logits), not of the raw logits",
+         dict(right, kl=float((np.exp(lr) * (ref - test)).sum(axis=1).mean()))),
+        ("kl: the mean over positions, not the sum",
+         dict(right, kl=float((np.exp(lr) * (lr - lt)).sum()))),
+        ("ppl_ratio: the test backend's perplexity over the reference's (not the other way round)",
+         dict(right, ppl_ratio=ppl(lr) / ppl(lt))),
+        ("ppl_ratio: perplexity is exp of the mean negative log-probability of the NEXT TOKEN (tokens[t]), "
+         "not of each row's most likely token",
+         dict(right, ppl_ratio=math.exp(-lt.max(axis=1).mean()) / math.exp(-lr.max(axis=1).mean()))),
+        ("ppl_ratio: natural logarithms and exp (2 ** of a log2 gives the same ratio only if both use base 2)",
+         dict(right, ppl_ratio=2 ** (-lt[rows, tok].mean()) / 2 ** (-lr[rows, tok].mean()))),
+    ]
+
+
+def check_backend_stats(f):
+    """f(ref_logits, test_logits, tokens) -> {"ppl_ratio", "kl", "top1"} on fresh random logits: large ones (a
+    softmax without its max subtracted overflows), near-ties, a test backend that agrees and one that does not."""
+    seed = _fresh_seed()
+    rng = np.random.default_rng(seed)
+    cases = []
+    for t, v, scale, noise in ((9, 50, 3.0, 0.05), (17, 300, 4.0, 1.5), (5, 64, 90.0, 0.5), (1, 7, 1.0, 0.0)):
+        ref = (rng.standard_normal((t, v)) * scale).astype(np.float32)
+        test = (ref + rng.standard_normal((t, v)) * noise).astype(np.float32)
+        cases.append((ref, test, rng.integers(0, v, t)))
+    for ref, test, tokens in cases:
+        what = f"logits of {ref.shape[0]} positions x {ref.shape[1]} tokens (scale {np.abs(ref).max():.3g}, seed {seed})"
+        given = [a.copy() for a in (ref, test, tokens)]
+        got = call_answer("backend_stats", f, tuple(given), what)
+        if any(not np.array_equal(g, a) for g, a in zip(given, (ref, test, tokens))):
+            check("backend_stats", False, f"{what}: your function changed its inputs: compute on copies")
+        if not isinstance(got, dict) or not {"ppl_ratio", "kl", "top1"} <= set(got):
+            check("backend_stats", False, f'return a dict with "ppl_ratio", "kl" and "top1"; got {got!r:.120}')
+        values = {}
+        for key in ("ppl_ratio", "kl", "top1"):
+            try:
+                values[key] = float(got[key])
+            except (TypeError, ValueError):
+                check("backend_stats", False, f"{key} must be a number, got {got[key]!r:.80}")
+        want = reference_stats(ref, test, tokens)
+        bad = [k for k in want if not math.isclose(values[k], want[k], rel_tol=1e-5, abs_tol=1e-9)]
+        if not bad:
+            continue
+        if any(not math.isfinite(values[k]) for k in bad) and np.abs(ref).max() > 80:
+            check("backend_stats", False, f"{what}: {', '.join(bad)} not finite: exp of logits near 90 overflows "
+                                          "float32; subtract each row's maximum first (log-sum-exp)")
+        why = next((h for h, w in _stats_mistakes(ref, test, tokens)
+                    if all(math.isclose(values[k], w[k], rel_tol=1e-5, abs_tol=1e-9) for k in want)), None)
+        k = bad[0]
+        check("backend_stats", False, f"{what}: {k} should be {want[k]:.6g}, got {values[k]:.6g}"
+                                      + (f": {why}" if why else ""))
+    check("backend_stats", True, "")

@@ -1,6 +1,18 @@
-"""Lab 08: two ways to turn nibbles into floats in q4_gemv (GPU): I2F conversions against the exponent trick."""
+"""Lab 08: q4_gemv's ways to turn nibbles into floats (GPU), at the Llama-3.1-8B MLP shape over more than L2.
+
+    python bench/lab08_q4_variants.py      # the lab's kernel (solutions/08) and two variants, each over a tile sweep
+
+The lab's kernel converts each nibble with an integer-to-float instruction; the variants use the exponent trick
+(OR the nibble into the mantissa of 2^23, subtract) on bytes and on 16-bit words. Each runs the up (14336 x 4096) and
+down (4096 x 14336) projections of enough layers to exceed four L2s, replayed from a CUDA graph; bandwidth = Q4_0
+bytes read / time, against a copy (read + write) and torch.sum (read only). On an H200 (2026-11-28) all three
+stayed near 0.3 of the copy bandwidth: more bytes in flight per thread is the next thing to try.
+"""
 import itertools
+import json
+import os
 import sys
+import types
 
 import torch
 import triton
@@ -125,12 +137,22 @@ read = src.numel() * 4 / timed(lambda: src.sum(), calls=4) / 1e6
 print(f"{torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, read-only (sum) {read:,.0f} GB/s; {LAYERS} layers")
 w = blocks.decode(up[0].cpu().numpy(), "Q4_0")
 want = torch.from_numpy(w).double() @ x.double().cpu()
-CONFIGS = {magic_bytes: itertools.product((1, 2, 4, 8), (32, 64, 128), (2, 4, 8)),
+cells = json.load(open("solutions/08_quantized_inference.ipynb"))["cells"]     # the lab's kernel cell, as JSON
+code = next("".join(c["source"]) for c in cells if "def q4_gemv_kernel" in "".join(c["source"]))
+os.makedirs("build", exist_ok=True)
+with open("build/lab08_kernel.py", "w") as f:      # a real file: Triton reads a kernel's source
+    f.write(code)
+lab = types.ModuleType("lab08")
+exec(compile(code, "build/lab08_kernel.py", "exec"), lab.__dict__)
+lab_kernel = lab.q4_gemv_kernel
+CONFIGS = {lab_kernel: itertools.product((1, 2, 4, 8), (8, 16, 32), (4, 8)),
+           magic_bytes: itertools.product((1, 2, 4, 8), (32, 64, 128), (2, 4, 8)),
            magic_bytes2: itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8)),
            magic_words: itertools.product((2, 4, 8), (32, 64, 128), (2, 4, 8))}
 for kern in CONFIGS:
     out = torch.empty(N, device=dev)
-    kern[(N // 4,)](up[0], x, out, N, K, up[0].shape[1], BLOCK_N=4, BLOCKS=8)
+    extra = {"HAS_MIN": False} if kern is lab_kernel else {}
+    kern[(N // 4,)](up[0], x, out, N, K, up[0].shape[1], BLOCK_N=4, BLOCKS=8, **extra)
     print(kern.fn.__name__, "error", ((out.double().cpu() - want).abs().max() / want.abs().max()).item())
     best = (0,)
     for bn, bs, nw in CONFIGS[kern]:
@@ -140,7 +162,7 @@ for kern in CONFIGS:
             i = next(turn) % LAYERS
             for wt, a, o in ((up[i], x, h), (down[i], h, y)):
                 kern[(triton.cdiv(wt.shape[0], bn),)](wt, a, o, wt.shape[0], a.shape[0], wt.shape[1], BLOCK_N=bn,
-                                                       BLOCKS=bs, num_warps=nw)
+                                                       BLOCKS=bs, num_warps=nw, **extra)
         try:
             gbps = layer / timed(mlp) / 1e6
         except Exception as err:

@@ -29,6 +29,7 @@ AREAS = [
     ("LLM serving and decoding (lab 05)", ("tests/test_lab05", "tests/test_serving", "tests/test_loadgen",
                                             "tests/test_models", "tests/test_decode", "tests/test_vllm")),
     ("multi-GPU and the clinic (labs 06-07)", ("tests/test_lab06", "tests/test_lab07", "tests/test_doctor")),
+    ("quantized inference (lab 08: graders, GGUF files, llama.cpp against the NumPy reference)", ("tests/test_lab08",)),
     ("shared machine, processes, harness, report", ("tests/test_workshop_shared", "tests/test_processes",
                                                      "tests/test_harness", "tests/test_report",
                                                      "tests/test_preflight")),

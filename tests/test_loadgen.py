@@ -297,8 +297,13 @@ def test_the_load_figures_show_a_level_that_measured_nothing():
            for m, x in (("concurrency", 1), ("rate", 0.5))]
     knee, rates = loadgen.plot_knee([one[0]], [one[1]]), loadgen.plot_rates([one[1]])
     for fig in (knee, rates):
-        hollow = [l for l in fig.axes[0].lines if l.get_markerfacecolor() == "none" and l.get_xdata().size]
+        hollow = [l for l in fig.axes[0].lines if l.get_markerfacecolor() == "none" and len(l.get_xdata())]
         assert hollow and any("mean of < 2 requests" in l.get_label() for l in hollow)
+    # every open-loop level measured nothing (a busy machine): the figure says so, with no latency to draw
+    none = [loadgen.Level("rate", x, (10.0, 20.0), [synthetic_stream(5.0, 16.0, 1.0, 2, warmup=True)]).summary(
+        slo_ttft_s=0.3, slo_tpot_s=0.1) for x in (0.08, 0.24)]
+    empty_rates = loadgen.plot_rates(none, slo_ttft_s=0.3, slo_tpot_s=0.1)
+    assert sum("measured nothing" in t.get_text() for t in empty_rates.axes[0].texts) == 2
     import matplotlib.pyplot as plt
 
     plt.close("all")

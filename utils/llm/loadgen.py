@@ -645,16 +645,19 @@ def plot_rates(opened, *, slo_ttft_s=None, slo_tpot_s=None, title: str = ""):
 
     fig, ax = plt.subplots(figsize=FIGSIZE)
     rate = [r["load"] for r in opened]
+    drawn = False
     for what, color in (("ttft", "tab:blue"), ("tpot", "tab:orange")):
         for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
             pts = [(r["load"], 1e3 * r[what][q]) for r in opened if supported(r[what], q)]
             if pts:
                 ax.plot(*zip(*pts), "o" + style, color=color, label=f"{what.upper()} {q}")
+                drawn = True
         few = [(r["load"], 1e3 * r[what]["mean"]) for r in opened
                if r[what]["n"] and not supported(r[what], "p50") and not completed_nothing(r)]
         if few:     # too few requests for a median: the mean, hollow, said as such
             ax.plot(*zip(*few), "o", mfc="none", ls="none", color=color,
                     label=f"{what.upper()} mean of < {needs('p50')} requests")
+            drawn = True
     for slo, color in ((slo_ttft_s, "tab:blue"), (slo_tpot_s, "tab:orange")):
         if slo:
             ax.axhline(1e3 * slo, color=color, lw=0.8, alpha=0.6)
@@ -663,7 +666,7 @@ def plot_rates(opened, *, slo_ttft_s=None, slo_tpot_s=None, title: str = ""):
             ax.axvline(r["load"], color="tab:red", lw=0.8, ls="--")
             ax.annotate(f"{_load_label(r)}: measured nothing", (r["load"], 0.5), xycoords=("data", "axes fraction"),
                         rotation=90, fontsize=8, color="tab:red", xytext=(3, 0), textcoords="offset points")
-    if ax.lines and any(l.get_ydata().size for l in ax.lines):
+    if drawn:       # a log scale for latencies drawn (the SLO and "measured nothing" lines alone are not data)
         ax.set_yscale("log")
     twin = ax.twinx()
     twin.plot(rate, [r["requests_per_s"] for r in opened], "k^-", lw=0.8, label="completed req/s")

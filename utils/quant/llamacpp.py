@@ -111,8 +111,7 @@ def logits(model: Path, text: str, backend: str = "cpu", *, max_tokens: int = 64
         tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-6:])
         raise RuntimeError(f"llama.cpp's {backend} backend failed (exit {run.returncode}):\n{tail}")
     data = np.load(out)
-    device = next((m.group(2).strip() for m in VULKAN_LINE.finditer(run.stderr + run.stdout)), "") \
-        if backend == "vulkan" else "CPU"
+    device = (vulkan_line(run.stderr + run.stdout) or "") if backend == "vulkan" else "CPU"
     return Logits(backend, data["tokens"], data["logits"], device, str(data["build"]), time.perf_counter() - start)
 
 

@@ -37,6 +37,7 @@ TOKEN = uuid.uuid4().hex
 # Lab 05's load test at its smallest: three learners share two cores here.
 OVERRIDES = {"00_environment": "", "05_llm_serving": "CONCURRENCY = [1, 2]\nOUTPUT_TOKENS = 4\nDECODE_TOKENS = 4\n"}
 CELL_TIMEOUT = 300
+WS_CONNECT_TIMEOUT = 150     # more than twice jupyter_server's kernel_info_timeout (60 s)
 
 
 def api(base, path, method="GET", body=None, timeout=30):
@@ -141,9 +142,13 @@ async def run_notebook(base: str, user: str, lab: str) -> dict:
     nb = (await loop.run_in_executor(None, api, base, f"{prefix}/contents/{path}"))["content"]
     session = await loop.run_in_executor(None, lambda: api(base, f"{prefix}/sessions", "POST", {
         "path": path, "name": f"{lab}.ipynb", "type": "notebook", "kernel": {"name": "python3"}}))
+    # The server answers the upgrade only once the new kernel has replied to kernel_info (jupyter_server waits up to
+    # its kernel_info_timeout, 60 s): with three learners' engines on two cores a kernel can take longer to start than
+    # tornado's default 20 s request timeout, which is the client giving up, not the server failing.
     ws = await websocket_connect(HTTPRequest(
         base.replace("http", "ws") + f"{prefix}/kernels/{session['kernel']['id']}/channels",
-        headers={"Authorization": f"token {TOKEN}"}))
+        headers={"Authorization": f"token {TOKEN}"}, connect_timeout=WS_CONNECT_TIMEOUT,
+        request_timeout=WS_CONNECT_TIMEOUT))
     out = {"text": [], "error": None, "cells": 0}
     codes = []
     for cell in nb["cells"]:
@@ -207,11 +212,13 @@ def test_three_learners_run_lab00_and_lab05_at_once(hub):
     targets = {spec["target"] for path, spec in routes.items() if path.startswith("/user/")}
     assert len(targets) == len(LEARNERS), f"servers share a port: {routes}"
 
-    async def everyone():
-        return await asyncio.gather(*(learner(base, n) for n in LEARNERS))
+    async def everyone():     # every learner runs to its end: one learner's failure is reported, not the others' cancellation
+        return await asyncio.gather(*(learner(base, n) for n in LEARNERS), return_exceptions=True)
 
     started = time.monotonic()
     results = dict(zip(LEARNERS, asyncio.run(everyone())))
+    failed = {name: f"{type(r).__name__}: {r}" for name, r in results.items() if isinstance(r, BaseException)}
+    assert not failed, f"learners failed: {failed}"
     seconds = time.monotonic() - started
     running = processes_of(homes)
     (ROOT / "build" / "workshop" / "hub-learners.json").write_text(json.dumps(

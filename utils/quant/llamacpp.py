@@ -2,7 +2,7 @@
 
 Two ways in, one engine: the `cyllama-vulkan` wheel (llama.cpp built with its CPU and Vulkan backends, driven from
 Python; what a CPU machine runs) and a llama.cpp source build's own tools, `llama-bench` and `llama-perplexity`, found
-through $COURSE_LLAMA_CPP (what the GPU machine runs: `.ci/llama-build` makes one with CPU, CUDA and Vulkan).
+through $COURSE_LLAMA_CPP (what the GPU machine runs: one source build with its CPU, CUDA and Vulkan backends).
 Each backend's logits are computed in a process of its own (`python -m utils.quant.llamacpp logits ...`): a
 backend that crashes or hangs ends that process, not the notebook's kernel.
 """
@@ -25,7 +25,7 @@ WHEEL_INSTALL = ("pip install cyllama-vulkan==0.2.18 (a Python 3.11 wheel of lla
                  "backends)")
 LAVAPIPE_INSTALL = "sudo apt-get install mesa-vulkan-drivers libvulkan1 (Mesa's lavapipe: Vulkan on the CPU)"
 BUILD_VAR = "COURSE_LLAMA_CPP"     # a llama.cpp build's bin/ folder (llama-bench, llama-perplexity)
-BUILD_HINT = (f"build llama.cpp (`.ci/llama-build` on the GPU machine, or cmake -B build -DGGML_CUDA=ON / -DGGML_HIP=ON "
+BUILD_HINT = (f"build llama.cpp from its source as its docs/build.md says (cmake -B build -DGGML_CUDA=ON / -DGGML_HIP=ON "
               f"/ -DGGML_VULKAN=ON, then cmake --build build) and set {BUILD_VAR}=<build>/bin")
 VULKAN_LINE = re.compile(r"ggml_vulkan: (\d+) = (.+)")
 

@@ -56,9 +56,37 @@ def checkout(tmp_path, monkeypatch):
     for name in (LAB00, LAB01):
         shutil.copyfile(solutions.LABS / name, tmp_path / "labs" / name)
     monkeypatch.setattr(course_labs, "LABS", tmp_path / "labs")
-    lines = learner.workspace(tmp_path / "labs", tmp_path / "work")
-    assert lines == [f"{tmp_path / 'work' / n}: made from {tmp_path / 'labs' / n}" for n in (LAB00, LAB01)]
+    lines, ok = learner.workspace(tmp_path / "labs", tmp_path / "work")
+    assert ok and lines == [f"{tmp_path / 'work' / n}: made from {tmp_path / 'labs' / n}" for n in (LAB00, LAB01)]
     return tmp_path / "labs", tmp_path / "work"
+
+
+@pytest.fixture
+def make(checkout, monkeypatch, capsys):
+    """`make workspace` / `make update` (learner.main) on the checkout's labs/ and work/: (exit status, what it
+    printed, stdout and stderr together)."""
+    labs, work = checkout
+    monkeypatch.setattr(learner, "WORK", work)
+    monkeypatch.setattr(solutions, "LABS", labs)
+
+    def run(cmd):
+        status = learner.main([cmd])
+        out = capsys.readouterr()
+        return status, out.out + out.err
+    return run
+
+
+def full_disk(monkeypatch, times=None):
+    """work/'s disk is full as each file is flushed (the first `times` flushes only, if given)."""
+    fsync, calls = os.fsync, []
+
+    def full(fd):
+        calls.append(fd)
+        if times is not None and len(calls) > times:
+            return fsync(fd)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
 
 
 def test_a_solved_saved_copy_survives_make_labs_and_workspace(checkout):
@@ -73,8 +101,8 @@ def test_a_solved_saved_copy_survives_make_labs_and_workspace(checkout):
     assert (work / LAB00).read_bytes() == saved and (work / "my_notes.ipynb").exists()
     assert answer in (work / LAB00).read_text()
     # labs/ regenerated as the course shipped it: `workspace` copies the labs work/ lacks, leaves lab 00 alone
-    said = learner.workspace(labs, work)
-    assert not [line for line in said if LAB00 in line] and (work / LAB00).read_bytes() == saved
+    said, ok = learner.workspace(labs, work)
+    assert ok and not [line for line in said if LAB00 in line] and (work / LAB00).read_bytes() == saved
     assert len(said) == len(solutions.solution_notebooks()) - 2 and all(": made from " in line for line in said)
 
 
@@ -86,16 +114,75 @@ def test_work_is_private_and_its_copies_whole(checkout, monkeypatch):
     work.chmod(0o755)
     (work / LAB01).unlink()
 
-    def full(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full)          # the disk fills as the copy is flushed
-    with pytest.raises(OSError, match="No space left"):
-        learner.workspace(labs, work)
+    full_disk(monkeypatch)                          # the disk fills as the copy is flushed
+    said, ok = learner.workspace(labs, work)
     monkeypatch.undo()
+    assert not ok and said[0].startswith(f"{work / LAB01}: not made: cannot write") and "No space left" in said[0]
     assert stat.S_IMODE(work.stat().st_mode) == 0o700
-    assert not (work / LAB01).exists() and not list(work.glob(f".{LAB01}.*.tmp"))
-    assert learner.workspace(labs, work) == [f"{work / LAB01}: made from {labs / LAB01}"]
+    assert not (work / LAB01).exists() and not list(work.rglob(".*.tmp"))
+    assert learner.workspace(labs, work) == ([f"{work / LAB01}: made from {labs / LAB01}"], True)
+
+
+def test_workspace_on_a_full_disk_names_the_file_says_what_to_do_and_copies_the_others(make, checkout, monkeypatch):
+    """work/'s disk is full as `make workspace` copies lab 00: a line naming it and the fix that fits work/ (not
+    COURSE_BUILD_DIR, which does not move work/), lab 01 still copied, a non-zero exit, no traceback; work/ itself
+    cannot be made: `make workspace stopped`, with the same fix."""
+    labs, work = checkout
+    (work / LAB00).unlink()
+    (work / LAB01).unlink()
+    full_disk(monkeypatch, times=1)
+    status, said = make("workspace")
+    line = next(line for line in said.splitlines() if LAB00 in line)
+    assert status == 1 and "Traceback" not in said and line.startswith(f"{work / LAB00}: not made: cannot write ")
+    assert "its disk is full" in line and "free some space on that disk" in line and "COURSE_BUILD_DIR" not in said
+    assert "the course's in labs/ are as they were" in line
+    assert not (work / LAB00).exists() and (work / LAB01).read_bytes() == (labs / LAB01).read_bytes()
+    assert f"{work / LAB01}: made from {labs / LAB01}" in said and "Next:" not in said
+
+    shutil.rmtree(work)
+    mkdir = os.mkdir
+
+    def full(path, *args):
+        if Path(path) == work:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return mkdir(path, *args)
+
+    monkeypatch.setattr(os, "mkdir", full)
+    status, said = make("workspace")
+    assert status == 1 and said.startswith(f"make workspace stopped: cannot write {work}: its disk is full")
+    assert "free some space on that disk" in said and "COURSE_BUILD_DIR" not in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize("broken", [b'{"cells": [', b"[]", b'{"nbformat": 4, "nbformat_minor": 5}'],
+                         ids=["truncated", "not a notebook", "no cells"])
+def test_workspace_names_a_broken_copy_with_the_fix(make, checkout, broken):
+    """A copy in work/ that cannot be read as a notebook is named by `make workspace`, with the fix `make progress`
+    and `make update` give; it is left as it was, and the other lab is still made."""
+    labs, work = checkout
+    (work / LAB00).write_bytes(broken)
+    (work / LAB01).unlink()
+    status, said = make("workspace")
+    line = next(line for line in said.splitlines() if LAB00 in line)
+    assert status == 0 and line.startswith(f"{work / LAB00} cannot be read as a notebook (")
+    assert f"restore it from {work / '.backup'} or rename it and run `make workspace`" in line
+    assert (work / LAB00).read_bytes() == broken and f"{work / LAB01}: made from {labs / LAB01}" in said
+
+
+def test_workspace_says_what_to_do_next_and_update_to_close_the_notebooks_first(make, checkout):
+    labs, work = checkout
+    status, said = make("workspace")
+    assert status == 0 and said.splitlines() == [
+        f"{work}: your copy of every lab, up to date with {labs}",
+        f"Next: open {work / LAB00} in JupyterLab (`make lab` opens it)"]
+    course_update(labs / LAB01, "updated in lab 01")
+    status, said = make("workspace")
+    assert status == 0 and said.splitlines()[-1].endswith("; `make update` merges the newer course versions named above")
+    status, said = make("update")
+    assert status == 0 and f"{work / LAB01}: replaced by the course's new version" in said
+    assert said.splitlines()[-1] == learner.CLOSE_FIRST and "Close your notebooks in JupyterLab before `make update`" \
+        in learner.CLOSE_FIRST and "saved over the merged file" in learner.CLOSE_FIRST
+    status, said = make("update")                 # nothing to merge: no reminder
+    assert status == 0 and said.strip() == f"{work}: up to date with {labs}"
 
 
 def test_update_merges_a_course_change_into_the_answer_and_replaces_an_untouched_copy(checkout):
@@ -104,8 +191,8 @@ def test_update_merges_a_course_change_into_the_answer_and_replaces_an_untouched
     answer_in(work / LAB00, "0.1", answer)
     course_update(labs / LAB00, "updated in lab 00")
     course_update(labs / LAB01, "updated in lab 01")
-    said = learner.workspace(labs, work)
-    assert f"{labs / LAB00} is newer than your {work / LAB00}: `make update` merges it" in said
+    said, ok = learner.workspace(labs, work)
+    assert ok and f"{labs / LAB00} is newer than your {work / LAB00}: `make update` merges it" in said
     assert learner.newer(labs, work) == [LAB00, LAB01]
 
     lines, ok = learner.update(labs, work)

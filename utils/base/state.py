@@ -76,8 +76,8 @@ def write_text_atomic(path: str | Path, text: str, *, fix: str | None = None) ->
     return path
 
 
-def write_json(path: str | Path, data: Any) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+def write_json(path: str | Path, data: Any, *, fix: str | None = None) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n", fix=fix)
 
 
 def read_json(path: str | Path, default: Any = None, *, what: str = "state file", on_corrupt: str = "warn",
@@ -105,10 +105,11 @@ def read_json(path: str | Path, default: Any = None, *, what: str = "state file"
 
 
 @contextlib.contextmanager
-def locked(path: str | Path):
-    """An exclusive lock on `path`.lock for a read-modify-write shared by several processes."""
+def locked(path: str | Path, fix: str | None = None):
+    """An exclusive lock on `path`.lock for a read-modify-write shared by several processes (`fix`: as for
+    storage_errors)."""
     lock = Path(f"{path}.lock")
-    with storage_errors(lock):
+    with storage_errors(lock, fix):
         lock.parent.mkdir(parents=True, exist_ok=True)
         f = open(lock, "a")
     with f:
@@ -119,13 +120,14 @@ def locked(path: str | Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def update_json(path: str | Path, change: Callable[[Any], Any], default: Any = None, *, what: str = "state file") -> Any:
+def update_json(path: str | Path, change: Callable[[Any], Any], default: Any = None, *, what: str = "state file",
+                fix: str | None = None) -> Any:
     """Read `path` (a corrupt file counts as `default`, with a warning), apply `change`, write it back
-    atomically, under a lock. Returns what was written."""
-    with locked(path):
+    atomically, under a lock (`fix`: what to do on a full disk, as for storage_errors). Returns what was written."""
+    with locked(path, fix):
         data = read_json(path, default, what=what)
         data = change(data)
-        write_json(path, data)
+        write_json(path, data, fix=fix)
         return data
 
 

@@ -27,8 +27,14 @@ from utils.base import state
 from utils.base.paths import REPO_ROOT, build_dir, private_dir, run_environment
 
 WORK = REPO_ROOT / "work"
-# what to do when work/'s disk is full or read-only (COURSE_BUILD_DIR does not move work/)
-WORK_FULL = "free some space on that disk (your notebooks in work/ are as they were), and run `make update` again"
+# what to do when work/'s disk is full or read-only (COURSE_BUILD_DIR does not move work/); state.storage_errors
+# ends the message with ", and run again"
+WORK_FULL = "free some space on that disk (your notebooks in work/ and the course's in labs/ are as they were)"
+# JupyterLab saves an open notebook over the file on disk (autosave; it asks first, "File Changed", when it sees
+# that the file on disk is newer: "Overwrite" writes the open copy over the merge)
+CLOSE_FIRST = ("Close your notebooks in JupyterLab before `make update`: one still open there can be saved over the "
+               "merged file (if one was open: File > Reload Notebook from Disk; if JupyterLab says \"File Changed\", "
+               "choose \"Revert\")")
 CELL_TIMEOUT = 1800   # seconds one cell may run under `progress --run` (as the harness's runs)
 STATES = ("passed", "failed", "not done", "changed since graded")
 _GRADE = re.compile(r"""ex\.grade\(\s*["'](?P<id>\d+\.\d+)["']\s*,\s*(?:"(?P<title>[^"]*)"|'(?P<title1>[^']*)')""")
@@ -52,14 +58,14 @@ def _versions(work: Path) -> dict:
 
 def _set_base(work: Path, name: str, course: Path) -> None:
     """Record `course` (a labs/ notebook) as the course version work/<name> now stands on."""
-    state.write_text_atomic(_base(work, name), course.read_text())
+    state.write_text_atomic(_base(work, name), course.read_text(), fix=WORK_FULL)
 
     def change(data):
         data = data if isinstance(data, dict) else {}
         data[name] = _hash(course)
         return data
 
-    state.update_json(_versions_path(work), change, {}, what="work/.course/versions.json")
+    state.update_json(_versions_path(work), change, {}, what="work/.course/versions.json", fix=WORK_FULL)
 
 
 def _course_notebooks(labs: Path) -> list[Path]:
@@ -73,18 +79,27 @@ def newer(labs: Path = solutions.LABS, work: Path = WORK) -> list[str]:
             if (work / p.name).exists() and versions.get(p.name) and versions[p.name] != _hash(p)]
 
 
-def workspace(labs: Path = solutions.LABS, work: Path = WORK) -> list[str]:
+def workspace(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], bool]:
     """Copy each notebook of labs/ that work/ lacks (recording its base); never touch one that exists. Returns
-    what it did and, per notebook, whether the course has a newer version."""
-    lines = []
-    private_dir(work)                    # 0700: another local user reads no learner's answers
+    (what it did, with each copy that cannot be read as a notebook and, per notebook, whether the course has a newer
+    version; whether every missing copy was made: one a full disk stops is named, the others are still made)."""
+    lines, ok = [], True
+    with state.storage_errors(work, WORK_FULL):
+        private_dir(work)                # 0700: another local user reads no learner's answers
     versions = _versions(work)
     for course in _course_notebooks(labs):
         mine = work / course.name
         if not mine.exists():
-            state.write_text_atomic(mine, course.read_text())     # whole or not at all (a full disk: no half copy)
-            _set_base(work, course.name, course)
+            try:
+                _set_base(work, course.name, course)     # the record first: a copy in work/ always has one
+                state.write_text_atomic(mine, course.read_text(), fix=WORK_FULL)   # whole or not at all
+            except state.StorageError as err:
+                ok = False
+                lines.append(f"{_rel(mine)}: not made: {err}")
+                continue
             lines.append(f"{_rel(mine)}: made from {_rel(course)}")
+        elif unreadable := _read(mine, work)[1]:    # named with its fix (as `make progress` and `make update` do)
+            lines.append(unreadable)
         elif course.name not in versions:
             if _hash(mine) == _hash(course):
                 _set_base(work, course.name, course)
@@ -93,7 +108,14 @@ def workspace(labs: Path = solutions.LABS, work: Path = WORK) -> list[str]:
                              f"merge {_rel(course)} into it (rename it, run `make workspace`, copy your answers over)")
     for name in newer(labs, work):
         lines.append(f"{_rel(labs / name)} is newer than your {_rel(work / name)}: `make update` merges it")
-    return lines
+    return lines, ok
+
+
+def next_step(labs: Path = solutions.LABS, work: Path = WORK) -> str:
+    """What `make workspace` tells the learner to do next."""
+    first = work / _course_notebooks(labs)[0].name
+    update = "; `make update` merges the newer course versions named above" if newer(labs, work) else ""
+    return f"Next: open {_rel(first)} in JupyterLab (`make lab` opens it){update}"
 
 
 def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], bool]:
@@ -106,10 +128,11 @@ def update(labs: Path = solutions.LABS, work: Path = WORK) -> tuple[list[str], b
     except ImportError:
         return ["`make update` merges with nbdime, which is not installed: pip install -c constraints.txt nbdime"], False
 
-    lines, ok = workspace(labs, work), True
-    lines = [line for line in lines if "`make update` merges it" not in line]
+    lines, ok = workspace(labs, work)
+    todo = newer(labs, work)             # what workspace said about these, the lines below say instead
+    lines = [line for line in lines if not any(_rel(work / name) in line for name in todo)]
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for name in newer(labs, work):
+    for name in todo:
         course, mine, base = labs / name, work / name, _base(work, name)
         blocked = _update_blocked(work, mine, base)
         if blocked:                      # named with its fix; the other notebooks are still updated
@@ -162,12 +185,20 @@ def _update_blocked(work: Path, mine: Path, base: Path) -> str | None:
         return (f"{_rel(mine)}: not updated: {_rel(backups)} is {'a link' if backups.is_symlink() else 'not a folder'},"
                 f" where `make update` keeps your notebooks before a merge; remove it and run `make update` again")
     for path in (mine, base):
-        try:
-            nbformat.read(path, as_version=solutions.NB_VERSION)
-        except (OSError, ValueError) as exc:
-            return (f"{_rel(mine)}: not updated: {_rel(path)} cannot be read as a notebook ({type(exc).__name__}); "
-                    f"restore it (your earlier versions are in {_rel(backups)}) or rename it and run `make workspace`")
+        unreadable = _read(path, work)[1]
+        if unreadable:
+            return f"{_rel(mine)}: not updated: {unreadable}"
     return None
+
+
+def _read(path: Path, work: Path) -> tuple[nbformat.NotebookNode | None, str | None]:
+    """(the notebook at `path`, None), or (None, a line naming it and the fix) when it cannot be read as one:
+    not UTF-8, cut short, not JSON, not a notebook."""
+    try:
+        return nbformat.read(path, as_version=solutions.NB_VERSION), None
+    except (OSError, ValueError, AttributeError, nbformat.ValidationError) as exc:
+        return None, (f"{_rel(path)} cannot be read as a notebook ({type(exc).__name__}: {str(exc)[:120]}): restore "
+                      f"it from {_rel(work / '.backup')} or rename it and run `make workspace` for a fresh copy")
 
 
 def _conflicts(merged, decisions) -> list[str]:
@@ -265,12 +296,9 @@ def progress_table(run: bool = False, work: Path = WORK, cell_timeout: float = C
         for region in solutions.regions(nb, path.name):
             functions.setdefault(region.exercise, []).append(region.function)
         mine = work / path.name
-        try:
-            learner = nbformat.read(mine, as_version=solutions.NB_VERSION) if mine.exists() else None
-        except (OSError, ValueError) as exc:     # not UTF-8, not a notebook: named, the other labs go on
-            head.append(f"{_rel(mine)} cannot be read as a notebook ({type(exc).__name__}: {str(exc)[:120]}): restore "
-                        f"it from {_rel(work / '.backup')} or rename it and run `make workspace` for a fresh copy")
-            learner = None
+        learner, unreadable = _read(mine, work) if mine.exists() else (None, None)
+        if unreadable:                           # named with its fix; the other labs go on
+            head.append(unreadable)
         graded = _object(verdicts.get(path.stem))
         for ex_id, todo in todos.items():
             entry = _object(graded.get(ex_id))
@@ -303,17 +331,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "progress":
         print(progress_table(run=args.run))
         return 0
+    labs, work = solutions.LABS, WORK
+    try:                                  # e.g. work/.course/ on a full disk: named, with what to do
+        merging = args.cmd == "update" and newer(labs, work)     # then the reminder to close them in JupyterLab
+        lines, ok = update(labs, work) if args.cmd == "update" else workspace(labs, work)
+    except state.StorageError as err:
+        print(f"make {args.cmd} stopped: {err}", file=sys.stderr)
+        return 1
     if args.cmd == "update":
-        try:
-            lines, ok = update()
-        except state.StorageError as err:     # e.g. work/.course/ on a full disk: named, with what to do
-            print(f"make update stopped: {err}", file=sys.stderr)
-            return 1
-        print("\n".join(lines) if lines else f"{_rel(WORK)}: up to date with {_rel(solutions.LABS)}")
-        return 0 if ok else 1
-    lines = workspace()
-    print("\n".join(lines) if lines else f"{_rel(WORK)}: your copy of every lab, up to date with {_rel(solutions.LABS)}")
-    return 0
+        print("\n".join(lines) if lines else f"{_rel(work)}: up to date with {_rel(labs)}")
+        if merging:
+            print(CLOSE_FIRST)
+    else:
+        print("\n".join(lines or [f"{_rel(work)}: your copy of every lab, up to date with {_rel(labs)}"]))
+        if ok:
+            print(next_step(labs, work))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

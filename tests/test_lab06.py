@@ -19,7 +19,7 @@ from conftest import DATA
 from grading import errors, run_lab_with, stream_text
 from utils import solutions
 from utils.base import processes
-from utils.multigpu import attribution, collectives, comm, launch, oneshot, topology, tp
+from utils.multigpu import attribution, collectives, comm, launch, netns, oneshot, topology, tp
 from utils.exercises import ExerciseFailed
 from utils.graders import lab06 as graders
 
@@ -517,6 +517,22 @@ def scripts(tmp_path):
         dist.barrier()
         dist.destroy_process_group()
     """))
+    (tmp_path / "waiting_rank.py").write_text(textwrap.dedent("""
+        import json, os, time
+        from pathlib import Path
+        import torch.distributed as dist
+        from utils.multigpu import collectives
+        collectives.init("gloo", timeout_s=120)
+        dist.barrier()
+        ready = Path(os.environ["READY_DIR"])
+        names = ("RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+        (ready / f"ready-{dist.get_rank()}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+        deadline = time.monotonic() + 150
+        while not (ready / "go").exists() and time.monotonic() < deadline:   # until the test has looked
+            time.sleep(0.1)
+        dist.barrier()
+        dist.destroy_process_group()
+    """))
     (tmp_path / "killed_rank.py").write_text(textwrap.dedent("""
         import os, signal, time
         if os.environ["RANK"] == "1":
@@ -625,6 +641,93 @@ def test_two_nodes_on_one_machine(build_dir):
     nothing_left(run)
 
 
+def test_two_nodes_without_a_namespace_listen_on_loopback_only(build_dir, scripts, tmp_path, monkeypatch, capsys):
+    """Where the machine refuses a network namespace (forced here), the two torchrun agents and their ranks run on
+    the machine's own network, and every socket any of their processes listens on is on 127.0.0.1: the c10d
+    rendezvous store (--rdzv-endpoint), the store node 0's agent shares with the ranks (MASTER_ADDR:MASTER_PORT)
+    and gloo's sockets; none on 0.0.0.0 or :: (where torch's TCPStore would listen by itself). The NOTE says so."""
+    import uuid
+
+    monkeypatch.setattr(launch.Namespace, "start", lambda self, timeout=10.0: "refused by the test")
+    mark = uuid.uuid4().hex
+    env = {**scripts, "READY_DIR": str(tmp_path), "LAB06_LISTEN_TEST": mark}
+    outcome = {}
+
+    def two_nodes():
+        try:
+            outcome["run"] = launch.torchrun("waiting_rank", [], nproc=1, nnodes=2, timeout=240,
+                                             name="test-loopback", env=env)
+        except BaseException as e:  # noqa: BLE001 - shown by the assertions below
+            outcome["error"] = e
+
+    worker = threading.Thread(target=two_nodes, daemon=True)
+    worker.start()
+    try:
+        ready = [tmp_path / f"ready-{r}.json" for r in range(2)]
+        deadline = time.monotonic() + 180
+        while not all(p.exists() for p in ready) and time.monotonic() < deadline and worker.is_alive():
+            time.sleep(0.1)
+        assert all(p.exists() for p in ready), outcome.get("error")
+        pids = {pid for pid in psutil.pids() if processes.environ(pid).get("LAB06_LISTEN_TEST") == mark}
+        commands = {pid: psutil.Process(pid).cmdline() for pid in pids}
+        agents = [pid for pid, cmd in commands.items() if "guard" not in cmd
+                  and any(tuple(cmd[i:i + 2]) == launch.LOOPBACK_TORCHRUN for i in range(len(cmd)))]
+        assert len(agents) == 2, commands                       # torchrun's agents, one per "node"
+        assert not any("nsenter" in cmd for cmd in commands.values())
+        here = os.readlink("/proc/self/ns/net")
+        assert all(os.readlink(f"/proc/{pid}/ns/net") == here for pid in agents)   # the machine's own network
+        endpoint = {cmd[cmd.index("--rdzv-endpoint") + 1] for pid, cmd in commands.items() if pid in agents}
+        envs = [json.loads(p.read_text()) for p in ready]
+        assert {(e["MASTER_ADDR"], e["TORCHELASTIC_USE_AGENT_STORE"]) for e in envs} == {("127.0.0.1", "True")}
+        listening = _listeners(pids)
+        elsewhere = [(a, p) for a, p in listening if not a.startswith("127.0.0.1:")]
+        assert elsewhere == [], f"listening off 127.0.0.1: {elsewhere}"
+        addresses = {a for a, _ in listening}
+        assert endpoint <= addresses, (endpoint, listening)                  # the rendezvous store
+        assert f"127.0.0.1:{envs[0]['MASTER_PORT']}" in addresses, listening  # the store shared with the ranks
+    finally:
+        (tmp_path / "go").write_text("")
+        worker.join(timeout=240)
+    assert not worker.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    run = outcome["run"]
+    assert run.returncodes == [0, 0]
+    note = capsys.readouterr().out
+    assert "NOTE: test-loopback: no network namespace for the agents (refused by the test)" in note
+    assert "listen on and connect to 127.0.0.1 only" in note
+    nothing_left(run)
+
+
+def test_the_agents_tcp_stores_listen_on_loopback_only(tmp_path, monkeypatch):
+    """netns's TCPStore for the agents: a server listens on 127.0.0.1 (torch's own listens on every interface), a
+    client reaches it, and a host off the loopback interface is refused. netns names Ubuntu's AppArmor restriction."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=30)
+    store = netns.loopback_store_class()
+    server = store("127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timeout)
+    try:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+        client.set("k", "v")
+        assert server.get("k") == b"v"
+        mine = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port}
+        assert mine == {("127.0.0.1", server.port)}
+        del client
+    finally:
+        del server
+    with pytest.raises(ValueError, match="loopback interface only"):
+        store("192.0.2.1", 0, is_master=True, timeout=timeout)
+    flag = tmp_path / "apparmor_restrict_unprivileged_userns"
+    flag.write_text("1\n")
+    monkeypatch.setattr(netns, "APPARMOR_USERNS", flag)
+    assert "kernel.apparmor_restrict_unprivileged_userns=1" in netns.restriction()
+    flag.write_text("0\n")
+    assert netns.restriction() == ""
+
+
 def test_launch_environment_and_commands():
     env = launch.rank_env({"PATH": "/bin"})
     assert {k: env[k] for k in launch.NVLS_OFF} == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -636,6 +739,11 @@ def test_launch_environment_and_commands():
                                   rdzv_id="x", log_dir="logs", is_host=True)
     args = get_args_parser().parse_args(cmd[3:])                       # torchrun itself accepts it
     assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.module) == ("2", "2", "127.0.0.1:29500", True)
+    cmd = launch.torchrun_command("utils.multigpu.tp", ["--model", "m"], nproc=2, nnodes=2, endpoint="127.0.0.1:29500",
+                                  rdzv_id="x", local_addr="127.0.0.1", launcher=launch.LOOPBACK_TORCHRUN)
+    assert cmd[1:4] == ["-m", "utils.multigpu.netns", "torchrun"]        # the demonstration's agents
+    args = get_args_parser().parse_args(cmd[4:])
+    assert (args.local_addr, args.rdzv_endpoint, args.training_script) == ("127.0.0.1", "127.0.0.1:29500", "utils.multigpu.tp")
     script = launch.slurm_script("utils.multigpu.collectives", ["--sizes", "1024"], nodes=2, gpus_per_node=8)
     line = next(l for l in script.splitlines() if l.startswith("export "))
     assert line == "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"

@@ -13,10 +13,13 @@ machine of the network could reach it; the ranks' own connections (gloo, NCCL's 
 loopback interface.
 
 For several "nodes" (`nnodes=2`: two agents on this machine, the course's demonstration of a cluster)
-`torchrun()` runs `python -m torch.distributed.run` once per node (`torchrun_agents`), with the c10d
-rendezvous on a free port of 127.0.0.1. Its store listens on every interface, so the agents run in a network
-namespace of their own whose only interface is its loopback (`utils.multigpu.netns`); where the machine refuses one,
-the run says so and its store is reachable from the network while the run lasts.
+`torchrun()` runs torchrun once per node (`torchrun_agents`), with the c10d rendezvous on a free port of
+127.0.0.1 and `--local-addr 127.0.0.1` (the ranks' MASTER_ADDR). Each agent is
+`python -m utils.multigpu.netns torchrun`: torchrun itself, whose TCP stores (the rendezvous store, the store
+the agent shares with its ranks) listen on a socket bound to 127.0.0.1, not on every interface as torch's own
+would. The agents also run in a network namespace of their own whose only interface is its loopback
+(`utils.multigpu.netns`); where the machine refuses one, the run prints a NOTE saying so and runs on the
+machine's loopback interface: every agent and rank listens on and connects to 127.0.0.1 only.
 
 Either way the processes end when the call returns, when it times out, or when the notebook's kernel
 dies. A rank that raises ends the whole run (the others are stopped) and `RankFailed` shows that rank's
@@ -49,6 +52,7 @@ from utils.multigpu.netns import Namespace
 # GPU of the host; the course keeps it off in every process it starts.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LOOPBACK_IFNAME = "lo"   # Linux's loopback interface: gloo binds its connections to it (GLOO_SOCKET_IFNAME)
+LOOPBACK_TORCHRUN = ("utils.multigpu.netns", "torchrun")   # torchrun, its TCP stores listening on 127.0.0.1 only
 
 
 def port_listening(port: int, host: str = LOOPBACK) -> bool:
@@ -71,12 +75,17 @@ def rank_env(base: dict | None = None) -> dict[str, str]:
 
 def torchrun_command(target: str, args=(), *, nproc: int, nnodes: int = 1, endpoint: str, rdzv_id: str,
                      log_dir: str | Path | None = None, is_host: bool | None = None, python: str | None = None,
-                     module: bool = True) -> list[str]:
+                     module: bool = True, local_addr: str | None = None,
+                     launcher: tuple[str, ...] = ("torch.distributed.run",)) -> list[str]:
     """The torchrun command line for one agent (one "node"): c10d rendezvous at `endpoint`, no restarts,
-    every rank's output teed to `log_dir/<run>/attempt_0/<rank>/`."""
-    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+    every rank's output teed to `log_dir/<run>/attempt_0/<rank>/`. `local_addr`: this node's address (torchrun's
+    `--local-addr`: where node 0's agent serves its ranks' store, their MASTER_ADDR); `launcher`: the module run
+    and its arguments (LOOPBACK_TORCHRUN in the course's demonstration: torchrun, its stores on 127.0.0.1 only)."""
+    cmd = [python or sys.executable, "-m", *launcher, "--nnodes", str(nnodes),
            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
            "--rdzv-id", rdzv_id, "--max-restarts", "0", "--monitor-interval", "0.5"]
+    if local_addr is not None:
+        cmd += ["--local-addr", local_addr]
     if is_host is not None:      # which agent hosts the rendezvous store when all run on one machine
         cmd += ["--rdzv-conf", f"is_host={int(is_host)}"]
     if log_dir is not None:
@@ -203,7 +212,8 @@ def torchrun(target: str, args=(), *, nproc: int, timeout: float, name: str, nno
 
     One machine (`nnodes=1`): the course starts the ranks itself, with a file-store rendezvous
     (`run_ranks`: no TCP listener). Several "nodes": real torchrun agents with the c10d rendezvous
-    (`torchrun_agents`: in a network namespace of their own, where the machine allows one).
+    (`torchrun_agents`: their stores on 127.0.0.1, in a network namespace of their own where the machine allows
+    one).
     Raises `RankFailed` (with the first failing rank's traceback) or `RankTimeout`; either way, and on
     success, no process of the run is left. The ranks' results are in `run.out_dir`."""
     if nnodes < 1 or nproc < 1:
@@ -391,11 +401,15 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
     """`python -m target args... --out DIR` on `nnodes` x `nproc` ranks under real torchrun agents (one per
     "node", all on this machine, the first hosting the rendezvous) with the c10d rendezvous on 127.0.0.1.
 
-    Only for the demonstration of several nodes: torch's TCP store, which the c10d rendezvous runs in the
-    first agent, listens on every interface whatever address it is given (`ss -ltn` shows `*:PORT`), so the agents
-    run in a network namespace of their own (`utils.multigpu.netns`: only its loopback); where the machine refuses
-    one (the NOTE printed says why), other machines of the network can reach the store while the run lasts.
-    One machine's runs go through `run_ranks` (a file store, no listener). Raises as `torchrun()` does."""
+    Only for the demonstration of several nodes. torch's TCP store, which the c10d rendezvous runs in the first
+    agent (and node 0's agent for its ranks, MASTER_ADDR:MASTER_PORT), listens on every interface whatever address
+    it is given (`ss -ltn` shows `*:PORT`); the agents are `python -m utils.multigpu.netns torchrun` (torchrun,
+    its stores listening on 127.0.0.1 only), with `--local-addr 127.0.0.1`, and the ranks' gloo/NCCL sockets are on
+    the loopback interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: lo, whatever the caller's environment says). The agents also run in a network namespace of their own
+    (`utils.multigpu.netns`: only its loopback); where the machine refuses one, the NOTE printed says why, and the
+    run is on this machine's loopback interface: no listener on another address (other users of this machine can
+    reach 127.0.0.1, the network cannot). One machine's runs go through `run_ranks` (a file store, no listener).
+    Raises as `torchrun()` does."""
     if nnodes < 1 or nproc < 1:
         raise ValueError(f"nnodes={nnodes} and nproc={nproc} must be at least 1")
     stamp = _stamp(name)
@@ -405,18 +419,25 @@ def torchrun_agents(target: str, args=(), *, nproc: int, timeout: float, name: s
     port = free_port()
     endpoint = f"{LOOPBACK}:{port}"
     rank_environment = rank_env(env)
-    # the agents in a network namespace of their own: the rendezvous store, which listens on every interface, then
-    # has only that namespace's loopback (utils/multigpu/netns.py); where the machine refuses one, on its network
+    for listener in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",   # "1": rank 0 would serve its own store, on every
+                     "TORCHELASTIC_HEALTH_CHECK_PORT"):      # interface; a port: the agent's health-check server
+        rank_environment.pop(listener, None)
+    rank_environment.update(GLOO_SOCKET_IFNAME=LOOPBACK_IFNAME, NCCL_SOCKET_IFNAME=LOOPBACK_IFNAME)   # one machine
+    # the agents in a network namespace of their own, which has only its own loopback (utils/multigpu/netns.py);
+    # where the machine refuses one, on this machine's loopback: either way their stores listen on 127.0.0.1 only
+    # (netns.loopback_store_class) and the ranks' sockets are on the loopback interface (rank_env)
     network = Namespace(log_dir, label=f"torchrun {name} network")
     log_dir.mkdir(parents=True, exist_ok=True)
     refused = network.start()
     if refused:
-        print(f"NOTE: {name}: the rendezvous store listens on every interface of this machine while the run lasts: "
-              f"{refused}")
+        print(f"NOTE: {name}: no network namespace for the agents ({refused}), so they run on this machine's "
+              f"loopback interface: the rendezvous store, the agents and the ranks listen on and connect to "
+              f"{LOOPBACK} only (unreachable from the network; other users of this machine can reach {LOOPBACK})")
     inside = [] if refused else network.prefix()
     cmds = [inside + torchrun_command(target, [*args, "--out", out_dir], nproc=nproc, nnodes=nnodes, endpoint=endpoint,
                                       rdzv_id=stamp, log_dir=log_dir / f"node{i}",
-                                      is_host=(i == 0) if nnodes > 1 else None, python=python)
+                                      is_host=(i == 0) if nnodes > 1 else None, python=python,
+                                      local_addr=LOOPBACK, launcher=LOOPBACK_TORCHRUN)
             for i in range(nnodes)]
     run = Run(name=name, command=cmds, log=root / "logs" / f"{stamp}.log", log_dir=log_dir, out_dir=out_dir,
               port=port, nodes=nnodes)

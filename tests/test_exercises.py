@@ -196,3 +196,106 @@ def test_a_kernel_answered_with_the_stub_line_left_beside_it_is_graded_not_calle
     commented = solutions.load("01", answers={"1.2": region.indent + "# I will do this later\n" + region.indent
                                               + solutions.stub("1.2", triton=True)})
     assert exercises.unfinished(commented.add_kernel)          # a comment is not an answer
+
+
+# --- graded apart (utils.grading_guard): the answer cannot reach the course's answers, nor patch the graders -------
+
+def _notebook_function(source: str, name: str, **globals_):
+    """A function defined as a notebook cell defines it (its module is __main__), with `globals_` in its namespace."""
+    namespace = {"__name__": "__main__", **globals_}
+    exec(compile(source, "<cell>", "exec"), namespace)
+    return namespace[name]
+
+
+def _decode_q4_1():
+    import numpy as np
+
+    return _notebook_function(
+        "def dequantize_q4_1(b):\n"
+        "    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)\n"
+        "    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)\n"
+        "    q = b[:, 4:]\n"
+        "    w = np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32)\n"
+        "    return (w * d + m).astype(np.float32)\n", "dequantize_q4_1", np=np)
+
+
+def test_an_answer_written_in_the_notebook_passes_apart(build_dir):
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    assert exercises.Lab("08_quantized_inference").grade("8.1", "Q4_1", check_dequantize_q4_1, _decode_q4_1())
+
+
+@pytest.mark.parametrize("how", ["solutions.load", "ex.reference", "a reference kept from before"])
+def test_an_answer_that_calls_the_course_reference_fails_and_is_not_recorded_as_passed(build_dir, how, capsys):
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    ex = exercises.Lab("08_quantized_inference")
+    kept = solutions.load("08")                       # a learner's earlier cell: ref = ex.reference
+    body = {"solutions.load": "solutions.load('08').dequantize_q4_1(b)", "ex.reference": "ex.reference.dequantize_q4_1(b)",
+            "a reference kept from before": "kept.dequantize_q4_1(b)"}[how]
+    cheat = _notebook_function(f"def dequantize_q4_1(b):\n    return {body}\n", "dequantize_q4_1",
+                               solutions=solutions, ex=ex, kept=kept)
+    with pytest.raises(ExerciseFailed, match="called the course's own answers or graders"):
+        ex.grade("8.1", "Q4_1", check_dequantize_q4_1, cheat)
+    assert "PASS" not in capsys.readouterr().out.replace("line(s) that read as a pass left out", "")
+    progress = json.loads(exercises.progress_path().read_text())
+    assert all(e.get("status") != "passed" for section in progress.values() for lab in section.values()
+               for e in lab.values())
+
+
+def test_a_patched_grader_or_torch_function_is_refused(build_dir, monkeypatch):
+    import torch
+
+    from utils.graders import lab08
+
+    ex = exercises.Lab("08_quantized_inference")
+    lenient = _notebook_function("def check_dequantize_q4_1(f):\n    pass\n", "check_dequantize_q4_1")
+    with pytest.raises(ExerciseFailed, match="not utils.graders' own"):
+        ex.grade("8.1", "Q4_1", lenient, _decode_q4_1())
+    real = _notebook_function("g = lambda f: check_dequantize_q4_1(f)\n", "g",
+                              check_dequantize_q4_1=lab08.check_dequantize_q4_1)
+    assert ex.grade("8.1", "Q4_1", real, _decode_q4_1())           # a lambda in the grading cell, as labs 01 and 03 write
+    rebound = _notebook_function("g = lambda f: check_dequantize_q4_1(f)\n", "g", check_dequantize_q4_1=lenient)
+    with pytest.raises(ExerciseFailed, match="not utils.graders' own"):
+        ex.grade("8.1", "Q4_1", rebound, _decode_q4_1())
+    monkeypatch.setattr(lab08, "check", _notebook_function("def check(name, ok, hint):\n    pass\n", "check"))
+    with pytest.raises(ExerciseFailed, match="lab08.check was replaced"):
+        ex.grade("8.1", "Q4_1", lab08.check_dequantize_q4_1, _decode_q4_1())
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "allclose", lambda *a, **k: True)
+    with pytest.raises(ExerciseFailed, match="torch.allclose was replaced"):
+        ex.grade("8.1", "Q4_1", lab08.check_dequantize_q4_1, _decode_q4_1())
+
+
+def test_an_answer_that_never_returns_fails_as_too_slow(build_dir, monkeypatch):
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    monkeypatch.setenv("COURSE_GRADE_TIMEOUT", "1")
+    forever = _notebook_function("def dequantize_q4_1(b):\n    while True:\n        pass\n", "dequantize_q4_1")
+    with pytest.raises(ExerciseFailed, match="too slow or never returned"):
+        exercises.Lab("08_quantized_inference").grade("8.1", "Q4_1", check_dequantize_q4_1, forever)
+
+
+def test_no_line_that_reads_as_a_pass_stands_above_a_failure_and_the_seed_is_named(build_dir, capsys, monkeypatch):
+    import numpy as np
+
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    wrong = _notebook_function("def dequantize_q4_1(b):\n    print('PASS: my own check')\n"
+                               "    return np.zeros((len(b), 32), np.float32)\n", "dequantize_q4_1", np=np)
+    monkeypatch.setenv("COURSE_GRADE_SEED", "1234")
+    with pytest.raises(ExerciseFailed, match="seed 1234.*COURSE_GRADE_SEED=1234"):
+        exercises.Lab("08_quantized_inference").grade("8.1", "Q4_1", check_dequantize_q4_1, wrong)
+    out = capsys.readouterr().out
+    assert "PASS" not in out.replace("line(s) that read as a pass left out", "") and "left out" in out
+
+
+def test_fresh_seeds_differ_and_changed_inputs_are_named():
+    import numpy as np
+
+    from utils import grading_guard
+
+    assert len({grading_guard.fresh_seed() for _ in range(4)}) > 1
+    a, b = np.arange(4.0), np.arange(3.0)
+    _, changed = grading_guard.changed_inputs((a, b), lambda x, y: x.__iadd__(1), names=["x", "y"])
+    assert changed == ["x"]

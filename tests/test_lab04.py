@@ -699,3 +699,19 @@ def test_full_grid_on_the_gpu(capsys):
         print(f"\nlab 04 full grid ({torch.cuda.get_device_name()}): {len(results) - len(failed)} of {len(results)} "
               f"pass in {time.time() - start:.0f} s")
     assert not failed, "\n".join(failed[:30])
+
+
+def test_an_attention_that_writes_into_its_inputs_fails_naming_the_input():
+    """The reference is computed from q, k, v after the call: an answer that scales q in place (and attends the scaled
+    q with the usual scale) would match it; the grader compares the inputs with copies taken before (issue 46)."""
+    import torch.nn.functional as F
+
+    from utils.exercises import ExerciseFailed
+
+    def scales_q_in_place(q, k, v, causal, sm_scale=None):
+        q.mul_(2.0)
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                              scale=sm_scale).to(q.dtype)
+
+    with pytest.raises(ExerciseFailed, match="changed its input q"):
+        graders.check_attention(scales_q_in_place, "cpu")

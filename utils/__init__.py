@@ -12,6 +12,8 @@ The kit (what a lab's notebook imports):
     params      a parameter declared once, on its line of the `parameters` cell, and its checks
     record      a lab's headline figures (size, spread, machine state, validity) and plots, for the report
     exercises   the exercises' contract: grade, NOT DONE, PASS, hints, the reference answer
+    grading_guard  what keeps a grade honest: the course's answers out of reach, a time limit, fresh seeds,
+                inputs the answer must not change, graders the notebook has not replaced
     solutions   the solution notebooks as code: exercise regions, stubs, exported modules (load())
     plots       plots and Markdown tables shared by the labs
     isa         kernels to machine code for both vendors, ahead of time, on any machine
@@ -25,7 +27,7 @@ Lab families:
                 transformers serve), loadgen,
                 loadplan (the probe that decides, each level's windows, the levels)
     multigpu/   lab 06: topology, collectives, launch (ranks on one machine, torchrun agents for several), netns (a
-                private network for those agents), comm (how the
+                private network for those agents: their TCP stores on 127.0.0.1, in a network namespace), comm (how the
                 ranks talk: NCCL/gloo, or a one-shot all-reduce over symmetric memory), oneshot (the course's Triton
                 one-shot all-reduce + residual add + RMSNorm), tp (tensor parallelism),
                 attribution (where a step's time goes: collectives counted once, compute / communication / idle)

@@ -18,12 +18,15 @@ functions' source (`answer_hashes`), so that progress can tell an answer changed
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import hashlib
 import inspect
+import io
 import os
 import re
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Callable
 from utils import solutions
 from utils.base import state
 from utils.base.paths import build_dir
+from utils import grading_guard
 from utils.solutions import EXERCISE_NOT_DONE
 
 def _source(fn) -> str:
@@ -168,16 +172,22 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:300] if lines else '(no message)'}"
 
 
-def call_answer(name: str, f, args, inputs: str, hint=None):
+def call_answer(name: str, f, args, inputs: str, hint=None, *, names=None):
     """f(*args) for a grader: an exception from the learner's code becomes a failed check naming the inputs (a
-    stub's stays NOT DONE); `hint(exc)` may add what the exception usually means."""
+    stub's stays NOT DONE); `hint(exc)` may add what the exception usually means. An answer that writes into a
+    tensor or array it was given fails, naming it (`names`: the arguments' names; else their positions): the
+    grader's reference comes from the inputs as they were."""
     try:
-        return f(*args)
+        got, changed = grading_guard.changed_inputs(args, f, names)
     except Exception as exc:
         if is_not_done(exc) or isinstance(exc, ExerciseFailed):
             raise
         why = error_line(exc) + (hint(exc) if hint else "")
-    check(name, False, f"on {inputs} your code raised {why}")
+        check(name, False, f"on {inputs} your code raised {why}")
+    if changed:
+        check(name, False, f"on {inputs} your code changed its input {', '.join(changed)}: read the inputs, never "
+                           "write into them (compute into a new tensor, or a copy)")
+    return got
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,6 +200,25 @@ def _where(exc: BaseException) -> str:
     frames = [f for f in inspect.getinnerframes(exc.__traceback__, context=0)
               if "ipykernel" in f.filename or f.filename.startswith("<")] if exc.__traceback__ else []
     return f" (in {frames[-1].function}, line {frames[-1].lineno} of its cell)" if frames else ""
+
+
+_READS_AS_PASS = re.compile(r"\s*(PASS|OK|ok|passed|Passed)\b")
+
+
+def _reached_hint(reached: list[str]) -> str:
+    return (f"your answer called the course's own answers or graders ({', '.join(reached[:3])}): an exercise is "
+            "graded on code you wrote, so compute it yourself (the reference is what it is checked against)")
+
+
+def _on_gpu(args) -> bool:
+    """Whether a grade runs on a GPU (any tensor or device among its arguments is one): its time limit is longer."""
+    for a in args:
+        kind = getattr(a, "type", None) if not hasattr(a, "is_cuda") else ("cuda" if a.is_cuda else "cpu")
+        if isinstance(a, str):
+            kind = a.split(":")[0]
+        if kind in ("cuda", "hip"):
+            return True
+    return False
 
 
 class ExerciseFailed(AssertionError):
@@ -214,31 +243,81 @@ class Lab:
         self.status: dict[str, str] = {}
         self.titles: dict[str, str] = {}
         self._reference = None
+        grading_guard.snapshot()      # the lab's setup cell: the functions graders rely on, before any learner cell ran
 
     def grade(self, exercise: str, title: str, checker: Callable, *args, uses=()) -> bool:
-        """Run `checker(*args)`. Returns True (PASS) or False (NOT DONE); raises ExerciseFailed (wrong)."""
+        """Run `checker(*args)`. Returns True (PASS) or False (NOT DONE); raises ExerciseFailed (wrong).
+
+        The grade is kept apart from the course's answers (`utils.grading_guard`): a checker or a function the
+        graders use that this kernel replaced, an answer that calls the course's reference, one that runs past the
+        time limit, each fails with its reason; the checker's printed lines are shown once the verdict is known, and
+        none that reads as a pass stands above a failure."""
         self.titles[exercise] = title
         if unfinished(*uses):
             return self._not_done(exercise, title)
         answer = answer_hashes(checker, *args, *uses)
+        graders = sys.modules.get(getattr(checker, "__module__", "") or "")
+        genuine = {f"{graders.__name__}.{n}": f for n, f in (("check", check), ("call_answer", call_answer))
+                   if graders is not None and hasattr(graders, n)}
+        replaced = grading_guard.replaced(checker, genuine)
+        if replaced:
+            return self._fail(exercise, title, answer, f"{'; '.join(replaced)} in this kernel: restart the kernel "
+                              "and run the lab from the top (the grade is not given to a patched grader)")
+        lambdas = {checker.__code__} if getattr(checker, "__name__", "") == "<lambda>" else set()
+        printed, watch = io.StringIO(), grading_guard.Watch({Lab.reference.fget.__code__}, lambdas)
+        limit = grading_guard.limit_seconds(_on_gpu(args))
         try:
-            checker(*args)
-        except ExerciseFailed:
-            self._set(exercise, title, "failed", answer)
-            raise
+            with grading_guard.seeds_drawn() as seeds, contextlib.redirect_stdout(printed), grading_guard.time_limit(limit), watch:
+                checker(*args)
+        except ExerciseFailed as exc:
+            self._show(printed, failed=True)
+            raise self._failed(exercise, title, answer, str(exc), watch, seeds, prefix=False) from None
         except AssertionError as exc:           # a checker's own assert: the same verdict
-            self._set(exercise, title, "failed", answer)
-            raise ExerciseFailed(f"exercise {exercise} ({title}): {exc}") from None
+            self._show(printed, failed=True)
+            raise self._failed(exercise, title, answer, f"exercise {exercise} ({title}): {exc}", watch, seeds,
+                               prefix=False) from None
+        except grading_guard.TimeLimit as exc:
+            self._show(printed, failed=True)
+            raise self._failed(exercise, title, answer, f"{exc}; an answer that loops forever or waits on something "
+                               "that never comes ends this way", watch, seeds) from None
+        except KeyboardInterrupt:
+            self._show(printed, failed=True)
+            raise
         except Exception as exc:
             if is_not_done(exc):
+                self._show(printed, failed=False)
                 return self._not_done(exercise, title)
-            self._set(exercise, title, "failed", answer)   # a traceback is never a verdict: a hint that names it
-            raise ExerciseFailed(f"exercise {exercise} ({title}): your code raised {type(exc).__name__}: "
-                                 f"{_first_line(exc)}{_where(exc)}; check the shapes, dtypes and devices it "
-                                 "is given and what it returns") from exc
+            self._show(printed, failed=True)   # a traceback is never a verdict: a hint that names it
+            raise self._failed(exercise, title, answer, f"your code raised {type(exc).__name__}: {_first_line(exc)}"
+                               f"{_where(exc)}; check the shapes, dtypes and devices it is given and what it returns",
+                               watch, seeds) from exc
+        if watch.reached:
+            self._show(printed, failed=True)
+            return self._fail(exercise, title, answer, _reached_hint(watch.reached))
+        self._show(printed, failed=False)
         self._set(exercise, title, "passed", answer)
         print(f"PASS: exercise {exercise} ({title})")
         return True
+
+    @staticmethod
+    def _show(printed: io.StringIO, *, failed: bool) -> None:
+        """What the checker (and the answer) printed; after a failure without the lines that read as a pass."""
+        lines = printed.getvalue().splitlines(keepends=True)
+        kept = [line for line in lines if not (failed and _READS_AS_PASS.match(line))]
+        sys.stdout.write("".join(kept))
+        if len(kept) < len(lines):
+            print(f"({len(lines) - len(kept)} line(s) that read as a pass left out: this grade failed)")
+
+    def _failed(self, exercise, title, answer, message, watch, seeds, *, prefix=True) -> "ExerciseFailed":
+        self._set(exercise, title, "failed", answer)
+        if watch.reached:
+            message += "; and " + _reached_hint(watch.reached)
+        return ExerciseFailed((f"exercise {exercise} ({title}): " if prefix else "") + message
+                              + grading_guard.reproduce_hint(seeds))
+
+    def _fail(self, exercise, title, answer, message) -> bool:
+        self._set(exercise, title, "failed", answer)
+        raise ExerciseFailed(f"exercise {exercise} ({title}): {message}")
 
     def speed(self, exercise: str, achieved: float | None, target: float | None, unit: str,
               *, reason: str = "") -> bool | None:

@@ -8,7 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 
 from utils import solutions
-from utils.exercises import check, error_line, is_not_done, unfinished
+from utils.exercises import ExerciseFailed, check, error_line, is_not_done, unfinished
+from utils import grading_guard
 
 LAYOUTS = ("contiguous", "model", "q_transposed", "v_transposed", "head_dim_slice", "kv_broadcast")
 
@@ -148,9 +149,18 @@ def _within(out, q, k, v, causal, sm_scale, spread):
 
 
 def _run(attention, q, k, v, causal, sm_scale, name):
-    """attention(q, k, v, causal[, sm_scale]); an exception becomes a hint that names the inputs."""
+    """attention(q, k, v, causal[, sm_scale]); an exception becomes a hint that names the inputs, and so does an
+    answer that wrote into q, k or v (the reference is computed from them after the call)."""
     try:
-        return attention(q, k, v, causal) if sm_scale is None else attention(q, k, v, causal, sm_scale)
+        out, changed = grading_guard.changed_inputs(
+            (q, k, v), lambda *qkv: attention(*qkv, causal) if sm_scale is None else attention(*qkv, causal, sm_scale),
+            ["q", "k", "v"])
+        if changed:
+            check(name, False, f"your code changed its input {', '.join(changed)} ({_describe(q)}): attention only "
+                               "reads q, k and v; scale the scores in registers (qk * sm_scale), never the inputs")
+        return out
+    except ExerciseFailed:
+        raise
     except Exception as err:                         # the stub's NotImplementedError: NOT DONE
         _raise_if_not_done(err)
         where = ("the arguments of your two attn_blocks calls (as in flash_attention's non-causal call, with "

@@ -1,17 +1,12 @@
 """Lab 08's graders: 8.1 dequantize Q4_1, 8.2 the Q4 GEMV's inner loop, 8.3 the numbers that compare two backends."""
 import math
-import secrets
 
 import numpy as np
 import torch
 
 from utils import blocks
 from utils.exercises import call_answer, check
-
-
-def _fresh_seed() -> int:
-    """Fresh inputs on every grading (a learner cannot fit an answer to one draw); the seed is in the hint."""
-    return secrets.randbelow(2**31)
+from utils import grading_guard
 
 
 # --- 8.1: Q4_1 blocks to weights ----------------------------------------------------------------------------
@@ -45,7 +40,7 @@ def _q4_1_mistakes(b: np.ndarray) -> list[tuple[str, np.ndarray]]:
 def check_dequantize_q4_1(f):
     """f(blocks) -> float32 weights (n, 32) for uint8 Q4_1 blocks (n, 20): equal to gguf's own dequantizer on fresh
     random blocks and the awkward ones (zero scale, nibbles 0 and 15, negative minimums, the largest fp16)."""
-    seed = _fresh_seed()
+    seed = grading_guard.fresh_seed()
     for n in (64, 7, 1):      # the most blocks first: every awkward one and random ones tell the mistakes apart
         data = blocks.random_blocks("Q4_1", n, seed=seed + n, awkward=True, scale=0.05)
         given = data.copy()
@@ -115,7 +110,7 @@ def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
     """q4_gemv(weights, x, qtype=...) against gguf's dequantization then a float64 product, for Q4_0 and Q4_1, odd
     row counts and block counts that end inside a step of the loop (`step_blocks` blocks a step); x in float32,
     float16 and bfloat16."""
-    seed = _fresh_seed()
+    seed = grading_guard.fresh_seed()
     rng = np.random.default_rng(seed)
     for qtype in ("Q4_0", "Q4_1"):
         for n, k, dtype in GEMV_CASES:
@@ -186,7 +181,7 @@ def _stats_mistakes(ref, test, tokens) -> list[tuple[str, dict]]:
 def check_backend_stats(f):
     """f(ref_logits, test_logits, tokens) -> {"ppl_ratio", "kl", "top1"} on fresh random logits: large ones (a
     softmax without its max subtracted overflows), near-ties, a test backend that agrees and one that does not."""
-    seed = _fresh_seed()
+    seed = grading_guard.fresh_seed()
     rng = np.random.default_rng(seed)
     cases = []
     for t, v, scale, noise in ((9, 50, 3.0, 0.05), (17, 300, 4.0, 1.5), (5, 64, 90.0, 0.5), (1, 7, 1.0, 0.0)):

@@ -429,6 +429,13 @@ u = x.to(tl.uint32, bitcast=True)
 tl.store(y_ptr + offs, ((u + 4096) & 0xFFFFE000).to(tl.float32, bitcast=True), mask=offs < n)
 """
 TF32_SHIFTS = TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "((bits + 4096) >> 13) << 13")
+# a converter that treats NaN apart (as real ones do: lab 03's prose) keeps every NaN, whatever its payload
+TF32_KEEPS_NAN = """
+offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+rounded = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+tl.store(y_ptr + offs, tl.where(x != x, x, rounded), mask=offs < n)
+"""
 TF32_WRONG = {
     "truncates": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "bits & -0x2000"), "without rounding"),
     "bfloat16": (TF32_REFERENCE.replace("(bits + 0x1000) & -0x2000", "(bits + 0x8000) & -0x10000"), "7 mantissa bits"),
@@ -450,7 +457,8 @@ TF32_WRONG = {
 
 def test_grader_3_4_tf32_rounding(lab):
     graders.check_tf32_round(lab.tf32_round, DEVICE)
-    for code in (TF32_ALTERNATIVE, TF32_SHIFTS):
+    assert torch.isnan(graders.tf32_test_values(40)).sum() == 4     # the canonical NaN and three other payloads
+    for code in (TF32_ALTERNATIVE, TF32_SHIFTS, TF32_KEEPS_NAN):
         graders.check_tf32_round(load({"3.4": code}).tf32_round, DEVICE)
 
 

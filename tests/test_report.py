@@ -264,7 +264,7 @@ def test_report_sets_each_figure_beside_the_reference_with_a_verdict(build_dir, 
     md = report.build_report().read_text()
     row = next(line for line in md.splitlines() if line.startswith("| torch.add"))
     assert "| n=65536 | 20 GB/s (20% of peak) | 90% of peak at n=268435456 (3,000 GB/s) | as expected for a CPU" in row
-    assert "(CPU: Triton's interpreter, small sizes)" in md and "(cpu, cpu)" not in md
+    assert "(CPU: PyTorch's CPU kernels and Triton's interpreter, small sizes)" in md and "(cpu, cpu)" not in md
 
 
 def test_report_shows_status_peaks_and_failures(build_dir, h100):
@@ -714,4 +714,31 @@ def test_a_sweep_point_that_fails_its_validity_test_is_drawn_hollow_with_its_rea
     assert why == ["torch.add at bytes moved 2: spread 100% (IQR/median) above 25%"]
     hollow = [line for line in ax.lines if line.get_markerfacecolor() == "white"]
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2]
+    plt.close(fig)
+
+
+def test_a_roofline_point_or_bar_whose_figure_is_unreliable_is_drawn_hollow_with_its_reasons(tmp_path):
+    """Labs 00 and 03: a scatter point and a bar take the recorder's verdict (Recorder.doubt), not only the peak."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils import plots, timing
+
+    rec = record.start("00_environment", devices.cpu_info(), root=tmp_path)
+    rec.metric("t.steady", 5.0, "GB/s", label="steady", size="n=1",
+               timing=timing.Timing((1.0, 1.0, 1.01, 0.99, 1.0), "perf_counter"))
+    rec.metric("t.noisy", 6.0, "GB/s", label="noisy", size="n=1",
+               timing=timing.Timing((1.0, 3.0, 0.5, 2.0, 1.0), "perf_counter"))
+    assert rec.doubt("t.steady") is None and "spread" in rec.doubt("t.noisy")
+    fig, ax = plt.subplots()
+    why = plots.points_with_doubts(ax, [1.0, 2.0], [5.0, 6.0], [rec.doubt("t.steady"), rec.doubt("t.noisy")],
+                                   label="measured", names=["add", "matmul"])
+    assert why == [f"measured, matmul: {rec.doubt('t.noisy')}"]
+    hollow = [line for line in ax.lines if line.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2.0]
+    plt.close(fig)
+    fig = plots.achieved_vs_peak([("noisy", 6.0, 100.0, "GB/s", rec.doubt("t.noisy"))])
+    bar = fig.axes[0].patches[0]
+    assert bar.get_facecolor()[3] == 0 and "unreliable" in fig.axes[0].get_xlabel()
     plt.close(fig)

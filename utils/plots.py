@@ -62,15 +62,35 @@ def achieved_vs_peak(items, title: str = ""):
     return fig
 
 
-def line_with_doubts(ax, xs, ys, doubts, *, label: str, x_name: str = "x", **style):
-    """One line of a sweep: points with no doubt filled, those that failed their validity test (``doubts``: a list of
-    reasons per point, [] for none) hollow, so noise is never drawn as data. Returns the doubted points' reasons."""
-    line, = ax.plot(xs, ys, marker="o", label=label, **style)
-    bad = [(x, y, why) for x, y, why in zip(xs, ys, doubts) if why]
+def _reasons(why) -> list[str]:
+    """A point's doubt as a list of reasons: None or [] (none), one reason, or a list of them."""
+    return [why] if isinstance(why, str) else list(why or [])
+
+
+def _hollow(ax, bad, color):
     if bad:
         ax.plot([x for x, _, _ in bad], [y for _, y, _ in bad], ls="none", marker="o", markersize=9,
-                markerfacecolor="white", markeredgecolor=line.get_color(), zorder=3)
+                markerfacecolor="white", markeredgecolor=color, zorder=3)
+
+
+def line_with_doubts(ax, xs, ys, doubts, *, label: str, x_name: str = "x", **style):
+    """One line of a sweep: points with no doubt filled, those that failed their validity test (``doubts``: the
+    reasons per point, a list or one string, empty or None for none) hollow, so noise is never drawn as data.
+    Returns the doubted points' reasons."""
+    line, = ax.plot(xs, ys, marker="o", label=label, **style)
+    bad = [(x, y, _reasons(why)) for x, y, why in zip(xs, ys, doubts) if _reasons(why)]
+    _hollow(ax, bad, line.get_color())
     return [f"{label} at {x_name} {x:,}: {'; '.join(why)}" for x, _, why in bad]
+
+
+def points_with_doubts(ax, xs, ys, doubts, *, label: str, names=None, **style):
+    """Separate measured points (a scatter, a roofline's dots), drawn as `line_with_doubts` draws a line's: the
+    doubted ones hollow. `names` (one per point) say which point a returned reason is about."""
+    names = list(names) if names is not None else [f"{x:,.4g}" for x in xs]
+    points = ax.plot(xs, ys, ls="none", marker="o", label=label, zorder=3, **style)[0]
+    bad = [(x, y, (name, _reasons(why))) for x, y, why, name in zip(xs, ys, doubts, names) if _reasons(why)]
+    _hollow(ax, bad, points.get_color())
+    return [f"{label}, {name}: {'; '.join(why)}" for _, _, (name, why) in bad]
 
 
 def lane_map(threads: int = 256, widths=(32, 64)):

@@ -150,6 +150,11 @@ class Recorder:
         """A recorded figure as a learner should read it: "98.3 GB/s (5% of peak)" or "unreliable: ..."."""
         return describe(self.data["metrics"][key])
 
+    def doubt(self, key: str) -> str | None:
+        """Why a recorded figure is unreliable (its reasons, joined), or None when it passed its validity tests: what
+        a plot needs to draw the point hollow (`utils.plots`)."""
+        return "; ".join(self.data["metrics"][key].get("reasons") or []) or None
+
     def ran_on(self, gpus: int, topology: str | None = None) -> None:
         """Say that this lab used `gpus` GPUs (lab 06's ranks, one GPU each), with the link between them as
         `nvidia-smi topo -m` or amd-smi names it ("GPU0-GPU1 NV18"); the report then sets its figures beside the

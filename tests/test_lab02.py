@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from grading import errors, run_lab_with, run_under_memcheck, stream_text
-from utils import exercises, solutions
+from utils import exercises, grading_guard, solutions
 from utils.exercises import ExerciseFailed
 from utils.graders import lab02 as graders
 
@@ -106,6 +106,31 @@ __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, i
     }
 }
 """
+# warp-synchronous: a tree in __shared__ inside each wavefront, without a barrier (its lanes run in lock-step)
+SUM_ALTERNATIVES["a tree in volatile __shared__ memory inside each wavefront"] = r"""
+__global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
+    __shared__ volatile int s[1024];
+    int i = blockIdx.x * blockDim.x + threadIdx.x, t = threadIdx.x, lane = t % warpSize;
+    s[t] = i < n ? x[i] : 0;
+    for (int offset = warpSize / 2; offset > 0; offset /= 2)
+        if (lane < offset) s[t] += s[t + offset];
+    if (lane == 0) atomicAdd(out, s[t]);
+}
+"""
+# the classic reduction with its last wavefront unrolled: within a wavefront all lanes read before any writes
+SUM_ALTERNATIVES["a block tree, its last wavefront unrolled without a barrier (volatile)"] = r"""
+__device__ void last(volatile int* v, int t) { for (int o = warpSize; o > 0; o >>= 1) v[t] += v[t + o]; }
+__global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
+    __shared__ int s[1024 + 64];
+    int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
+    s[t] = i < n ? x[i] : 0;
+    if (t < 64) s[blockDim.x + t] = 0;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > warpSize; o >>= 1) { if (t < o) s[t] += s[t + o]; __syncthreads(); }
+    if (t < warpSize) last(s, t);
+    if (t == 0) atomicAdd(out, s[0]);
+}
+"""
 # the issue's cases: warp-level code the SIMT machine ran although one vendor leaves it undefined, and answers
 # that are right on one lane width only (both directions of the compatibility rules)
 OWN_MACROS = """#if defined(__HIP_PLATFORM_AMD__)
@@ -161,6 +186,23 @@ __global__""", 1), "HIP, 64-lane wavefronts", "(mask 0x0)", "(1ull << warpSize) 
     "64-bit type, 32-bit mask": (SUM.replace("SHFL_DOWN(v, offset)", "__shfl_down_sync(0xffffffffull, v, offset)"),
                                  "lane 32 called __shfl_down with a mask that leaves it out"),
     "no guard on n": (SUM.replace("i < n ? x[i] : 0", "x[i]"), "CUDA, 32-lane warps, n = 1", "the guard i < n"),
+    # races (issue 46): utils.simt interleaves the wavefronts and blocks and names the lanes and the address
+    "a += to the total, no atomic": (SUM.replace("atomicAdd(out, v)", "*out += v"), "a race on `out[0]`",
+                                     "(wavefront ", "without an atomic", "need atomicAdd"),
+    "a block reduction without __syncthreads": (SUM_ALTERNATIVES["a block reduction in shared memory, one atomic per block"]
+                                                .replace("    __syncthreads();\n", ""),
+                                                "a race on __shared__ `partial[", "no __syncthreads between them"),
+    "a block total in __shared__ with +=": (r"""
+__global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
+    __shared__ int total;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    if (i < n) total += x[i];
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(out, total);
+}
+""", "a race on __shared__ `total[0]`", "lanes ", "atomicAdd"),
 }
 
 
@@ -240,6 +282,27 @@ COUNT_WRONG = {
     "no guard on n": (COUNT.replace("i < n && x[i] > 0.0f", "x[i] > 0.0f"), "lanes past the end (i >= n) voted"),
     "CUDA's ballot on HIP": (COUNT.replace("BALLOT(i < n && x[i] > 0.0f)", "__ballot_sync(0xffffffff, i < n && x[i] > 0.0f)"),
                              "64-bit mask"),
+    # issue 46: a ballot inside a branch some lanes skip (the lowest voting lane adds: the total is right on HIP)
+    "a ballot inside a branch some lanes skip": (COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);\n    if (threadIdx.x % warpSize == 0) atomicAdd(count, __popcll(votes));",
+        "if (i < n && x[i] > 0.0f) {\n        unsigned long long votes = BALLOT(1);\n"
+        "        if (threadIdx.x % warpSize == __ffsll(votes) - 1) atomicAdd(count, __popcll(votes));\n    }"),
+        "n = 33", "lanes 0, 1, ..., 14 (10 lanes) of the 32-lane wavefront holding elements 0 to 31",
+        "hold elements but took no part in its ballot", "not in its result", "BALLOT(i < n && x[i] > 0.0f)"),
+    "a return before the ballot for lanes that vote no": (COUNT.replace(
+        "unsigned long long votes = BALLOT(i < n && x[i] > 0.0f);",
+        "if (i >= n || !(x[i] > 0.0f)) return;\n    unsigned long long votes = BALLOT(1);"),
+        "took no part in", "a return before it"),
+    "the count added without an atomic": (COUNT.replace("atomicAdd(count, __popcll(votes))", "*count += __popcll(votes)"),
+                                          "a race on `count[0]`", "lane 0", "need atomicAdd"),
+    "x changed": (COUNT.replace("if (threadIdx.x % warpSize == 0)",
+                                "if (i < n) const_cast<float*>(x)[i] = 0.0f;\n    if (threadIdx.x % warpSize == 0)"),
+                  "wrote into its input `x`", "it may only read it"),
+    # fitting the test: right at the fixed sizes only; the size drawn for each grade finds it (the seed is set below)
+    "right at the fixed sizes only": (COUNT.replace("int i = blockIdx.x * blockDim.x + threadIdx.x;",
+                                                    "int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                                                    "    if (n != 1 && n != 33 && n != 1000 && n != 4099) return;"),
+                                      "counted 0, exact"),
 }
 
 
@@ -250,9 +313,13 @@ def test_grader_2_3_reference_and_alternatives(lab):
 
 
 @pytest.mark.parametrize("mistake", COUNT_WRONG, ids=list(COUNT_WRONG))
-def test_grader_2_3_known_wrong(lab, mistake):
+def test_grader_2_3_known_wrong(lab, mistake, monkeypatch):
+    monkeypatch.setenv(grading_guard.SEED_VAR, "46")     # the size drawn for the grade: not one of the fixed ones
+    fresh = graders.count_inputs(46)[-1][0].size
+    assert fresh not in (1, 33, 1000, 4099)
     source, *hint = COUNT_WRONG[mistake]
-    fails_with(lambda: graders.check_count_positive(given(source)), *hint)
+    fails_with(lambda: graders.check_count_positive(given(source)), *hint,
+               *([f"n = {fresh}"] if mistake == "right at the fixed sizes only" else []))
 
 
 # --- 2.4 one side per wavefront ------------------------------------------------------------------------
@@ -288,8 +355,9 @@ def converged_wrong(lab):
                                      .replace("int t = threadIdx.x < half ? threadIdx.x : threadIdx.x - half;", "int t = threadIdx.x / 2;")
                                      .replace("bool side_a = threadIdx.x < half;", "bool side_a = threadIdx.x % 2 == 0;"),
                                      "still diverges"),
+        # on 32 lanes its threads past the first 128 reach the next block's elements: a race, named
         "the half as two wavefronts": (reference.replace("int half = blockDim.x / 2;", "int half = 2 * warpSize;"),
-                                       "CUDA, 32-lane warps", "differ from divergent"),
+                                       "CUDA, 32-lane warps", "a race on `x[", "of block", "exactly one thread"),
     }
 
 

@@ -143,3 +143,95 @@ def test_run_kernel_rejects_bad_launches(kwargs, message):
     kwargs = {"grid": 1, "block": 64, **kwargs}
     with pytest.raises(ValueError, match=message):
         simt.run_kernel("__global__ void k(int* x) {}", "k", [("x", np.zeros(1, np.int32))], **kwargs)
+
+
+# --- races: wavefronts and blocks interleaved, each wavefront in lock-step -----------------------------------------
+
+TOTAL = r"""
+__global__ void total(const int* x, int* out) {   // lane 0 of each wavefront adds its element, without an atomic
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (threadIdx.x % warpSize == 0) out[0] += x[i];
+}
+"""
+IN_SHARED = r"""
+__global__ void in_shared(const int* x, int* out, int sync) {
+    __shared__ int sum;                  // every lane adds into one __shared__ int: a race inside the wavefront
+    __shared__ int partial[32];          // a value per wavefront, read by thread 0: a race unless sync
+    int t = threadIdx.x;
+    if (t == 0) sum = 0;
+    __syncthreads();
+    sum += x[t];
+    if (t % warpSize == 0) partial[t / warpSize] = x[t];
+    if (sync) __syncthreads();
+    if (t == 0) { int s = 0; for (int w = 0; w < blockDim.x / warpSize; ++w) s += partial[w]; out[0] = s; }
+}
+"""
+# right warp-synchronous code: a tree in __shared__ inside each wavefront, no barrier (lock-step, volatile), in a
+# template helper; every lane then stores the same total to one address (the same value: no race)
+WARP_TREE = r"""
+template <int UNUSED> __device__ int tree(int v) {
+    __shared__ volatile int s[1024];
+    int t = threadIdx.x, lane = t % warpSize;
+    s[t] = v;
+    for (int o = warpSize / 2; o > 0; o /= 2)
+        if (lane < o) s[t] += s[t + o];
+    return s[t - lane];
+}
+__global__ void warp_tree(const int* x, int* per_wave, int* out) {
+    int v = tree<0>(x[blockIdx.x * blockDim.x + threadIdx.x]);
+    per_wave[blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize] = v;
+    if (threadIdx.x % warpSize == 0) atomicAdd(out, v);
+}
+"""
+
+
+def test_run_kernel_names_the_lanes_and_address_of_a_race():
+    x = np.arange(512, dtype=np.int32)
+    run = simt.run_kernel(TOTAL, "total", [("x", x), ("out", np.zeros(1, np.int32))], grid=2, block=256, width=64)
+    assert len(run.races) == 1 and run.races[0] in run.problems
+    assert run.races[0].startswith("a race on `out[0]`: thread ") and "(wavefront " in run.races[0], run.races
+    assert "without an atomic" in run.races[0] and "run in any order" in run.races[0]
+    run = simt.run_kernel(TOTAL, "total", [("x", x), ("out", np.zeros(1, np.int32))], grid=8, block=64, width=64)
+    assert "two blocks of one launch run in any order" in run.races[0]     # one wavefront per block
+    def shared(block, sync):
+        args = [("x", x), ("out", np.zeros(1, np.int32)), ("sync", sync)]
+        return simt.run_kernel(IN_SHARED, "in_shared", args, grid=1, block=block, width=64)
+
+    run = shared(64, 0)                        # one wavefront: its lanes store different sums at one instruction
+    assert len(run.races) == 1 and run.races[0].startswith("a race on __shared__ `sum[0]`: lanes "), run.races
+    assert "of wavefront 0 of block 0 stored different values there at one instruction" in run.races[0]
+    for sync in (0, 1):                        # four: between wavefronts too, and partial[] unless a __syncthreads
+        run = shared(256, sync)
+        assert any(r.startswith("a race on __shared__ `sum[0]`") for r in run.races), run.races
+        partial = [r for r in run.races if "`partial[" in r]
+        if sync:
+            assert not partial and int(run.buffers["out"][0]) == int(x[:256:64].sum())
+        else:
+            assert partial and "read it" in partial[0] and "no __syncthreads between them" in partial[0], run.races
+
+
+def test_run_kernel_interleaves_wavefronts_in_a_seeded_order_so_a_lost_update_shows():
+    x = np.arange(1, 257, dtype=np.int32)
+    exact = int(x[::64].sum())
+    got = [int(simt.run_kernel(TOTAL, "total", [("x", x), ("out", np.zeros(1, np.int32))], grid=1, block=256,
+                               width=64, seed=seed).buffers["out"][0]) for seed in (0, 0, 1, 2, 3, 4, 5, 6, 7)]
+    assert got[0] == got[1] and exact not in got and len(set(got)) > 1, got   # the same seed, the same order
+
+
+@pytest.mark.parametrize("platform, width", [("hip", 64), ("cuda", 32)])
+def test_run_kernel_keeps_warp_synchronous_code_right(platform, width):
+    x = np.random.default_rng(0).integers(-50, 50, 512).astype(np.int32)
+    args = [("x", x), ("per_wave", np.zeros(512 // width, np.int32)), ("out", np.zeros(1, np.int32))]
+    run = simt.run_kernel(WARP_TREE, "warp_tree", args, grid=2, block=256, width=width, platform=platform)
+    assert run.problems == [] and run.races == []
+    assert run.buffers["per_wave"].tolist() == x.reshape(-1, width).sum(axis=1).tolist()
+    assert int(run.buffers["out"][0]) == int(x.sum())
+
+
+def test_run_kernel_records_the_lanes_of_each_cross_lane_op():
+    inside = ("__global__ void k(const int* x, unsigned long long* out) { int i = threadIdx.x; "
+              "if (x[i] > 0) out[i] = __ballot(1); }")
+    x = np.where(np.arange(64) % 3 == 0, 1, 0).astype(np.int32)
+    run = simt.run_kernel(inside, "k", [("x", x), ("out", np.zeros(64, np.uint64))], grid=1, block=64, width=64)
+    mask = sum(1 << lane for lane in range(64) if x[lane] > 0)
+    assert run.cross_lane == [[("ballot", mask)]] and int(run.buffers["out"][0]) == mask

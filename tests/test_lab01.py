@@ -252,6 +252,55 @@ def test_known_wrong_answers_fail_with_their_hint(exercise, wrong, hint, interpr
         GRADER[exercise][0](interpreter({exercise: wrong}))
 
 
+# --- fresh inputs on every grade (issue 46): a table of the tried cases, or results kept across calls, fail ----------
+
+def _torch_add(x, y, out):
+    return out.copy_(x + y)
+
+
+@pytest.mark.parametrize("grade", [lambda fn: graders.check_add("add", fn, sizes=(17, 97)),
+                                   lambda fn: graders.check_rows("rows", fn, cases=((3, 17),)),
+                                   lambda fn: graders.check_layouts("add", fn, names={"contiguous", "x[::2]"})],
+                         ids=["check_add", "check_rows", "check_layouts"])
+def test_every_grade_draws_fresh_inputs_and_a_kept_result_fails(grade, capsys):
+    seen, kept = [], {}
+
+    def recording(x, y, out):
+        seen.append((tuple(x.shape), x.sum().item()))
+        return _torch_add(x, y, out)
+
+    def keeping(x, y, out):                     # results kept across calls, by shape
+        key = (tuple(x.shape), x.stride())
+        kept.setdefault(key, (x + y).clone())
+        return out.copy_(kept[key])
+
+    grade(recording)
+    first, seen[:] = list(seen), []
+    grade(recording)
+    assert first != seen and len({shape for shape, _ in first}) > 1
+    assert not any(value in {v for _, v in first} for _, value in seen if value)     # no value reused
+    grade(keeping)                              # the first call computes every case it meets
+    with pytest.raises(ExerciseFailed, match="x \\+ y|wrong values"):
+        grade(keeping)
+
+
+def test_a_table_of_the_strides_tried_fails():
+    table = {(2, 5, 3, 4): (180, 4, 36, 1), (1, 7, 2, 8): (336, 8, 48, 1), (3, 2, 4, 16): (384, 16, 192, 1),
+             (2, 9, 12, 64): (20736, 64, 2304, 1)}
+    lab = solutions.load("01")
+    assert all(lab.predict_q_strides(*k) == v for k, v in table.items())
+    with pytest.raises(ExerciseFailed, match="raised KeyError for batch="):
+        graders.check_q_strides(lambda *shape: table[shape], lab.gpt2_qkv)
+
+
+def test_layouts_fail_an_answer_that_writes_into_its_inputs():
+    def scribbles(x, y, out):
+        _torch_add(x, y, out)
+        x.zero_()                               # out is right: the reference comes from copies made before the call
+    with pytest.raises(ExerciseFailed, match="contiguous: x or y changed for contiguous"):
+        graders.check_layouts("add", scribbles)
+
+
 # 1.1 compiles the port: it needs hipcc (CI requires it)
 needs_hipcc = pytest.mark.skipif(not isa.shutil.which("hipcc") and "hipcc" not in isa.required_tools(),
                                  reason="hipcc is not installed (apt-get install hipcc)")
@@ -293,7 +342,9 @@ def _same(port):
                          ids=["reference", "hipLaunchKernelGGL", "early return", "hipMemcpyDefault"])
 def test_hip_port_passes(change, interpreter, capsys):
     _grade_port(interpreter, change)
-    assert "PASS: main makes every runtime call hipify's port makes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS: main makes every runtime call hipify's port makes" in out
+    assert "PASS: saxpy, run on the CPU" in out and "its launch and its result are the CUDA program's" in out
 
 
 @needs_hipcc
@@ -302,6 +353,73 @@ def test_hip_port_passes(change, interpreter, capsys):
 def test_hip_port_wrong_answers_fail_with_their_hint(change, hint, interpreter):
     with pytest.raises(ExerciseFailed, match=hint):
         _grade_port(interpreter, change)
+
+
+# what only a run sees (issue 46: a port whose copy sizes, index or launch were wrong passed hipcc's inspection): on
+# any machine, with hipcc or without, the port's kernel runs on the CPU (utils.simt) on fixed awkward and fresh sizes,
+# and its whole program against a model of the HIP runtime, beside hipify's port of the CUDA program
+KERNEL_LINE = "int i = blockIdx.x * blockDim.x + threadIdx.x;"
+PORT_WRONG_ON_CPU = [   # (what it does to the reference port, words of the hint)
+    (lambda p: p.replace("hipMemcpy(x, hx.data(), n * sizeof(float)", "hipMemcpy(x, hx.data(), n"),
+     "hipMemcpy\\(x, hx.data\\(\\), n, hipMemcpyHostToDevice\\) copies n = 1,048,576 bytes.*size is in bytes"),
+    (lambda p: p.replace("hipMemcpy(hy.data(), y, n * sizeof(float)", "hipMemcpy(hy.data(), y, n"),
+     "hipMemcpy\\(hy.data\\(\\), y, n, hipMemcpyDeviceToHost\\) copies n = 1,048,576 bytes"),
+    (lambda p: p.replace("hipMalloc(&y, n * sizeof(float))", "hipMalloc(&y, n)"),
+     "its destination, y, holds 1,048,576 bytes \\(hipMalloc\\(&y, n\\)\\).*size is in bytes"),
+    (lambda p: p.replace(KERNEL_LINE, "int i = threadIdx.x;"),
+     "several threads had the same index i: thread i of the grid is blockIdx.x \\* blockDim.x"),
+    (lambda p: p.replace("if (i < n) y[i]", "y[i]"), "stored past the end of y.*if \\(i < n\\)"),
+    (lambda p: p.replace(LAUNCH, "saxpy<<<n / 512, 256>>>(n, 2.0f, x, y);"),
+     "524,288 threads for n = 1,048,576 elements.*\\(n \\+ 256 - 1\\) / 256 blocks"),
+    (lambda p: p.replace(LAUNCH, "saxpy<<<(n + 2047) / 2048, 2048>>>(n, 2.0f, x, y);"),
+     "blocks of \\(2048, 1, 1\\) threads: a block has 1 to 1024 threads"),
+    (lambda p: p.replace("hipMemcpy(y, hy.data(), n * sizeof(float), hipMemcpyHostToDevice);", ""),
+     "1 copy\\(ies\\) from the host to the GPU before saxpy is launched; the CUDA program makes 2"),
+]
+PORT_RIGHT_ON_CPU = [   # right ports written differently: sizes in a variable, y allocated first, blocks of 128 from a
+    # dim3, a grid-stride loop over fewer blocks, fmaf, the launch's error read with hipGetLastError
+    lambda p: p.replace("hipMalloc(&x, n * sizeof(float));\n    hipMalloc(&y, n * sizeof(float));",
+                        "const size_t bytes = sizeof(float) * n;\n    hipMalloc((void**)&y, bytes);\n"
+                        "    hipMalloc((void**)&x, bytes);").replace(
+        LAUNCH, "dim3 block(128), grid((n + block.x - 1) / block.x);\n"
+                "    saxpy<<<grid, block, 0, 0>>>(n, 2.0f, x, y);"),
+    lambda p: p.replace(f"    {KERNEL_LINE}\n    if (i < n) y[i] = a * x[i] + y[i];",
+                        "    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x)\n"
+                        "        y[i] = fmaf(a, x[i], y[i]);").replace(
+        LAUNCH, GGL(LAUNCH).replace("(n + 255) / 256", "64")).replace(
+        "hipError_t err = hipDeviceSynchronize();",
+        "hipError_t err = hipGetLastError();\n    if (err == hipSuccess) err = hipDeviceSynchronize();"),
+]
+
+
+def _no_hipcc(source):
+    raise isa.ToolMissing("hipcc")
+
+
+@pytest.fixture
+def without_hipcc(monkeypatch):
+    """Grade as on a machine without hipcc: only the runs on the CPU (and the source's names and copy kinds)."""
+    monkeypatch.setattr(isa, "required_tools", lambda: set())
+
+
+@pytest.mark.parametrize("change, hint", PORT_WRONG_ON_CPU, ids=["copy size n", "copy back n", "hipMalloc n",
+                                                                  "index threadIdx.x", "no bound", "half the grid",
+                                                                  "2048 threads a block", "y never copied in"])
+def test_hip_port_wrong_on_the_cpu_fails_with_its_hint(change, hint, interpreter, without_hipcc):
+    ref = interpreter()
+    with pytest.raises(ExerciseFailed, match=hint):
+        graders.check_hip_port(change(ref.saxpy_hip()), ref.SAXPY_CU, _no_hipcc)
+
+
+@pytest.mark.parametrize("change", [_same, *PORT_RIGHT_ON_CPU],
+                         ids=["reference", "bytes, dim3, y first", "grid-stride"])
+def test_hip_port_right_on_the_cpu_passes(change, interpreter, without_hipcc, capsys):
+    ref = interpreter()
+    port = change(ref.saxpy_hip())
+    assert change is _same or port != ref.saxpy_hip()
+    graders.check_hip_port(port, ref.SAXPY_CU, _no_hipcc)
+    out = capsys.readouterr().out
+    assert "PASS: saxpy, run on the CPU" in out and "its launch and its result are the CUDA program's" in out
 
 
 @needs_hipcc

@@ -402,6 +402,54 @@ def test_grader_3_2_known_wrong(mistake):
     fails_with(lambda: graders.check_matmul(wrong.matmul, DEVICE), *hint)
 
 
+def _keeping(compute):
+    """An answer that keeps its results across calls, by the inputs' shape, strides and dtype (fitting the test)."""
+    kept = {}
+
+    def answer(*args):
+        key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in args)
+        if key not in kept:
+            kept[key] = compute(*args)
+        return kept[key].clone()
+    return answer
+
+
+def _scribbling(compute):
+    """An answer that computes the right result, then writes into its first input."""
+    def answer(first, *rest):
+        result = compute(first, *rest).clone()
+        first.zero_()
+        return result
+    return answer
+
+
+def test_graders_draw_fresh_inputs_on_every_call(lab):
+    """A result kept from an earlier call, or a table of the cases tried, fails the next grade; the printed cases stay
+    those the lab shows (issue 46: the graders used the same inputs on every call)."""
+    seen = []
+    recording = lambda a, b: seen.append((tuple(a.shape), a.float().sum().item())) or torch.matmul(a, b)
+    graders.check_matmul(recording, DEVICE)
+    first, seen[:] = list(seen), []
+    graders.check_matmul(recording, DEVICE)
+    assert {v for _, v in first}.isdisjoint(v for _, v in seen) and first != seen
+    printed = [s[:3] for _, shapes, _ in graders.MATMUL_STAGES for s in shapes]
+    assert all(shape in [shape for shape, _ in seen] for shape in [(m, k) for m, n, k in printed])
+    kept = _keeping(torch.matmul)
+    graders.check_matmul(kept, DEVICE)
+    fails_with(lambda: graders.check_matmul(kept, DEVICE), "relative error")
+    kept_tf32 = _keeping(lab.to_tf32)
+    graders.check_tf32_round(kept_tf32, DEVICE)
+    fails_with(lambda: graders.check_tf32_round(kept_tf32, DEVICE), "wrong, e.g.")
+    table = {64: 64 / 3, 1000: 1000 / 3, 4096: 4096 / 3}
+    fails_with(lambda: graders.check_intensity(lambda n: table[n]), "raised KeyError")
+
+
+def test_graders_fail_an_answer_that_writes_into_its_inputs(lab):
+    fails_with(lambda: graders.check_matmul(_scribbling(torch.matmul), DEVICE), "one full K step",
+               "matmul changed its input a")
+    fails_with(lambda: graders.check_tf32_round(_scribbling(lab.to_tf32), DEVICE), "changed its input x")
+
+
 def test_grader_3_3_prediction(lab):
     measured = {"gfx942": 32, "sm_90": 4}   # what the lab's builds count (its notebook checks the same)
     graders.check_instruction_prediction(lab.matrix_instructions_per_k_step(), measured)
@@ -470,14 +518,13 @@ def test_grader_3_4_known_wrong(mistake):
 
 
 def test_grader_3_5_config(lab):
-    graders.check_config(lab.my_config("cuda"), DEVICE)
+    """One triton.Config, as the lab's first version graded it (my_config itself: the test below)."""
     alt = load({"3.5": 'return triton.Config({"GROUP_M": 4, "BLOCK_K": 32, "BLOCK_M": 64, "BLOCK_N": 128}, '
                        'num_warps=4, num_stages=4)'})
     graders.check_config(alt.my_config("cuda"), DEVICE)
     import triton
     C = triton.Config
-    if not GPU:   # on a CPU: the ROCm config, judged against gfx942's 64 KiB of LDS (it names waves_per_eu)
-        graders.check_config(lab.my_config("rocm"), DEVICE)
+    if not GPU:   # on a CPU: a ROCm config, judged against gfx942's 64 KiB of LDS
         graders.check_config(C({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8,
                                num_stages=2), DEVICE, backend="rocm")        # 64 KiB: exactly one block's LDS
     graders.check_config(C({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
@@ -488,6 +535,49 @@ def test_grader_3_5_config(lab):
     fails_with(lambda: graders.check_config(C({"BLOCK_M": 96, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}), DEVICE),
                "powers of two")
     fails_with(lambda: graders.check_config(C({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}), DEVICE), "GROUP_M")
+
+
+MY_CONFIG_ALTERNATIVE = """
+tiles = {"cuda": (128, 128, 64, 4), "rocm": (128, 128, 64, 2)}     # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages)
+m, n, k, stages = tiles[backend]
+return triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=8 if backend == "rocm" else 4,
+                     num_stages=stages)
+"""
+CUDA_TILES = 'return triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3)'
+MY_CONFIG_WRONG = {   # my_config: (the vendor whose branch is wrong, the words of its hint)
+    "one config for both": (CUDA_TILES, "rocm", "98,304 bytes", "MI300X (gfx942)", "65,536"),
+    "CUDA tiles too big": ('if backend == "rocm":\n    return triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, '
+                           '"BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=2)\n' + CUDA_TILES.replace(
+                               "num_stages=3", "num_stages=6").replace('"BLOCK_K": 64', '"BLOCK_K": 128'),
+                           "cuda", "H100 (sm_90)", "232,448"),
+    "an AMD option for CUDA too": ('return triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, '
+                                   '"waves_per_eu": 2}, num_warps=8, num_stages=2)', "cuda", "AMD options"),
+    "raises for ROCm": ('if backend != "cuda":\n    raise ValueError(f"no config for {backend}")\n' + CUDA_TILES,
+                        None, 'my_config("rocm")', 'backend "rocm"', "raised ValueError"),
+}
+
+
+def test_grader_3_5_grades_every_vendor_branch_on_any_machine(lab, capsys):
+    """my_config itself: each vendor's config against its own GPU's shared memory, whatever this machine is; the
+    K-loop check with this machine's (issue 46: a ROCm branch was never graded off ROCm)."""
+    graders.check_config(lab.my_config, DEVICE)
+    graders.check_config(load({"3.5": MY_CONFIG_ALTERNATIVE}).my_config, DEVICE)
+    out = capsys.readouterr().out
+    here = "rocm" if GPU and torch.version.hip else "cuda"
+    other = {"cuda": "rocm", "rocm": "cuda"}[here]
+    assert out.count(f'PASS: my_config("{other}") fits') == 2 and "PASS: transposed inputs" in out
+
+
+@pytest.mark.parametrize("mistake", MY_CONFIG_WRONG, ids=list(MY_CONFIG_WRONG))
+@pytest.mark.parametrize("here", ["cuda", "rocm"])
+def test_grader_3_5_known_wrong_vendor_branches(mistake, here):
+    """Graded as on this machine's vendor and as on the other's: the wrong branch fails either way, named."""
+    if GPU and here != ("rocm" if torch.version.hip else "cuda"):
+        pytest.skip("the K-loop check runs the config on this GPU: only its own vendor's")
+    code, branch, *hint = MY_CONFIG_WRONG[mistake]
+    wrong = load({"3.5": code}).my_config
+    fails_with(lambda: graders.check_config(wrong, DEVICE, backend=here),
+               *([f'my_config("{branch}")'] if branch not in (None, here) else []), *hint)
 
 
 def test_grader_3_5_refuses_tiles_no_gpu_can_hold_on_a_cpu_too():

@@ -1,11 +1,12 @@
 """Lab 03's graders (exercises 3.1-3.5) and the error measure and tolerances its checks of a BF16 matmul use."""
 import numbers
+import random
 
 import torch
 import triton
 
-from utils import solutions
-from utils.exercises import check, error_line, is_not_done
+from utils import grading_guard, solutions
+from utils.exercises import call_answer, check, error_line, is_not_done
 
 TOLERANCE = {"cuda": 1e-2, "rocm": 2e-2, "cpu": 1e-2}   # relative Frobenius error of a BF16 product
 
@@ -30,14 +31,18 @@ def _describe(t) -> str:
 # --- 3.1: FLOP per byte ------------------------------------------------------------------------------
 
 def check_intensity(intensity):
-    """The prediction against 2 n^3 FLOPs over 3 n^2 BF16 values of 2 bytes at a few sizes, with a hint per usual slip."""
+    """The prediction against 2 n^3 FLOPs over 3 n^2 BF16 values of 2 bytes at a few sizes, each printed, then two
+    drawn fresh on every call (`grading_guard.fresh_seed`: a table of the printed sizes' answers fails), not printed;
+    a hint per usual slip."""
     hints = {0.5: "half the answer: count 2 FLOPs per term (a multiply and an add), 2 bytes per BF16 value, and each "
                   "of A, B and C moved once (not twice)",
              2.0: "twice the answer: a BF16 value takes 2 bytes",
              1.5: "you moved only A and B: C is written too (3 matrices of n*n values)",
              0.25: "a quarter of the answer: that is FP32's 4 bytes per value, and one FLOP per term",
              4.0: "four times the answer: a BF16 value takes 2 bytes, and a term is 2 FLOPs, not 4"}
-    for n in (64, 1000, 4096):
+    rng = random.Random(grading_guard.fresh_seed())
+    printed = (64, 1000, 4096)
+    for n in (*printed, *(rng.randrange(2, 20000) for _ in range(2))):
         want = 2 * n**3 / (2 * 3 * n**2)
         try:
             got = intensity(n)
@@ -55,7 +60,9 @@ def check_intensity(intensity):
         else:
             hint = next((h for r, h in hints.items() if abs(ratio - r) < 1e-6),
                         "count the FLOPs (a multiply and an add per term) and the bytes of A, B and C, each moved once")
-        check(f"intensity({n})", number and abs(ratio - 1) < 1e-6, f"got {got!r}, expected {want:.6g}: {hint}")
+        ok = number and abs(ratio - 1) < 1e-6
+        if n in printed or not ok:
+            check(f"intensity({n})", ok, f"got {got!r}, expected {want:.6g}: {hint}")
 
 
 # --- 3.2: the K loop ---------------------------------------------------------------------------------
@@ -128,23 +135,41 @@ def _crash_hint(err: BaseException) -> str:
                 "check the shapes of the tiles and masks you load and the dtypes you pass to tl.dot")
 
 
+def _fresh_shapes(stage: str, rng: random.Random) -> list:
+    """A shape drawn for `stage`, of the kind it tests (K = one step of 32, several, a ragged last one; any layout
+    and dtype), so that a failure still gets the stage's hint."""
+    mn = lambda: (rng.randrange(1, 130), rng.randrange(1, 130))
+    k = {"one full K step": lambda: 32, "several K steps": lambda: 32 * rng.randrange(2, 6),
+         "a ragged last K step": lambda: 32 * rng.randrange(1, 6) + rng.randrange(1, 32)}.get(
+        stage, lambda: rng.randrange(1, 200))
+    transposed = stage == "transposed inputs"
+    return [(*mn(), k(), rng.choice(["a.T", "b.T", "sliced"]) if transposed else "contiguous",
+             rng.choice([torch.bfloat16, torch.float16, torch.float32]) if transposed else torch.bfloat16)]
+
+
 def check_matmul(matmul, device="cpu"):
     """A matmul of BF16 matrices against a float64 product of the same inputs, stage by stage, NaN before and after
-    every operand (a load outside a matrix shows), then sliced operands and FP16 and FP32 ones."""
+    every operand (a load outside a matrix shows), then sliced operands and FP16 and FP32 ones. Each stage also
+    tries a shape drawn fresh on every call, and every value is fresh (`grading_guard.fresh_seed`: a table of the
+    printed cases, or a result kept from an earlier call, fails); those shapes are not printed. An answer that
+    writes into a or b fails, naming it."""
     backend = "cpu" if str(device) == "cpu" else ("rocm" if torch.version.hip else "cuda")
-    gen = torch.Generator().manual_seed(3)
+    rng = random.Random(grading_guard.fresh_seed())
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for stage, shapes, hint in MATMUL_STAGES:
-        extra = UNPRINTED.get(stage, [])
+        extra = UNPRINTED.get(stage, []) + _fresh_shapes(stage, rng)
         for m, n, k, layout, dtype in [(*s, torch.bfloat16) for s in shapes] + extra:
             tolerance = TOLERANCE[backend] if dtype == torch.bfloat16 else DOT_TOLERANCE[dtype]
             a, b = _operands(m, n, k, gen, device, dtype, layout=layout)
             name = f"{stage}: {m}x{n}x{k} ({layout}{'' if dtype == torch.bfloat16 else ', ' + str(dtype)[6:]})"
             try:
-                c = matmul(a, b)
+                c, changed = grading_guard.changed_inputs((a, b), matmul, ["a", "b"])
             except Exception as err:                 # the stub's NotImplementedError: NOT DONE
                 _raise_if_not_done(err)
                 check(name, False, f"matmul(a, b) with a {_describe(a)} and b {_describe(b)} raised {error_line(err)}: "
                                    f"{_crash_hint(err)}")
+            if changed:
+                check(name, False, f"matmul changed its input {' and '.join(changed)}: read A and B, write only C")
             if not isinstance(c, torch.Tensor) or tuple(c.shape) != (m, n):
                 check(f"{stage}: result shape", False, f"C must be a {m}x{n} tensor, got {_describe(c)}")
             if torch.isnan(c).all() and stage == MATMUL_STAGES[0][0]:
@@ -199,8 +224,11 @@ def tf32_test_values(n: int, seed: int = 0) -> torch.Tensor:
     payloads = torch.tensor([0x7F800001, 0x7FFFF000, -1], dtype=torch.int32).view(torch.float32)
     special = torch.cat([torch.tensor(special, dtype=torch.float32), payloads])
     gen = torch.Generator().manual_seed(seed)
-    rest = torch.randn(max(n - len(special), 0), generator=gen) * 10.0 ** torch.randint(-6, 7, (max(n - len(special), 0),), generator=gen)
-    return torch.cat([special, rest.float()])[:n]
+    count = max(n - len(special), 0)
+    rest = (torch.randn(count, generator=gen) * 10.0 ** torch.randint(-6, 7, (count,), generator=gen)).float()
+    tie = torch.rand(count, generator=gen) < 0.3      # about a third of them exact ties: low 13 bits 0x1000
+    bits = torch.where(tie, (rest.view(torch.int32) & -0x2000) | 0x1000, rest.view(torch.int32))
+    return torch.cat([special, bits.view(torch.float32)])[:n]
 
 
 TF32_MISTAKES = [   # (what the bits become, the hint), tried in order on the values that are not NaN
@@ -221,12 +249,16 @@ TF32_MISTAKES = [   # (what the bits become, the hint), tried in order on the va
 
 
 def check_tf32_round(tf32_round, device="cpu"):
-    """tf32_round(x) bit for bit against the course's to_tf32 (round to nearest, ties away), with a hint per mistake."""
+    """tf32_round(x) bit for bit against the course's to_tf32 (round to nearest, ties away), with a hint per mistake:
+    the values of `tf32_test_values` at ragged sizes and one drawn fresh, the random ones fresh on every call
+    (`grading_guard.fresh_seed`); an answer that writes into x fails."""
     to_tf32 = solutions.load("03").to_tf32
-    for n in (1, 17, 22, 1000, 4097):
-        x = tf32_test_values(n, seed=n).to(device)
+    rng = random.Random(grading_guard.fresh_seed())
+    seed = rng.randrange(2**31)
+    for n in (1, 17, 22, 1000, 4097, rng.randrange(23, 3000)):
+        x = tf32_test_values(n, seed=seed + n).to(device)
         try:
-            y = tf32_round(x)
+            y, changed = grading_guard.changed_inputs((x,), tf32_round, ["x"])
         except Exception as err:                     # the stub's NotImplementedError: NOT DONE
             _raise_if_not_done(err)
             hint = str(err) if "mask the store" in str(err) else \
@@ -234,6 +266,9 @@ def check_tf32_round(tf32_round, device="cpu"):
                 ("; a bitcast keeps the size: view x's 32 bits as tl.int32, and the result's as tl.float32"
                  if "bitcast" in str(err) else "")
             check(f"TF32 rounding of {n} values", False, hint)
+        if changed:
+            check(f"TF32 rounding of {n} values", False, "tf32_round changed its input x: return the rounded values "
+                  "in a new tensor (the kernel reads x_ptr and stores to y_ptr)")
         if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != torch.float32:
             check(f"TF32 rounding of {n} values", False, f"return float32 values of x's shape {tuple(x.shape)}, "
                   f"got {_describe(y)}")
@@ -271,43 +306,68 @@ def matmul_tile_bytes(config: triton.Config, backend: str) -> int:
     return pair * SHARED[backend][2](config.num_stages)
 
 
+def _check_fields(config, backend: str, prefix: str = "") -> None:
+    """The checks of a config that need no GPU, for `backend`'s GPU: what it names, tile sizes, warps and stages in
+    range, options that backend takes, tiles within one block's shared memory (LDS) there. `prefix` goes before each
+    check's name (the other vendor's config: its checks print nothing when they pass)."""
+    say = (lambda name, ok, hint: ok or check(prefix + name, ok, hint)) if prefix else check
+    say("a triton.Config", isinstance(config, triton.Config),
+        "return triton.Config({...}, num_warps=..., num_stages=...)")
+    kw = config.kwargs
+    missing = sorted({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - set(kw))
+    say("names the tile sizes and GROUP_M", not missing, f"add {missing} to the config's dictionary")
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = kw[name]
+        say(f"{name} = {v} is a power of two from 16 to 256",
+            isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v & (v - 1) == 0,
+            "tl.arange and tl.dot need powers of two; the matrix instructions need at least 16")
+    say("GROUP_M >= 1", isinstance(kw["GROUP_M"], int) and kw["GROUP_M"] >= 1, "GROUP_M is a count of tile rows")
+    say("num_warps is 1, 2, 4, 8 or 16", config.num_warps in (1, 2, 4, 8, 16), f"num_warps={config.num_warps}")
+    say("num_stages from 1 to 6", isinstance(config.num_stages, int) and 1 <= config.num_stages <= 6,
+        f"num_stages={config.num_stages}")
+    unknown = sorted(set(kw) - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - AMD_ONLY)
+    if unknown:
+        check(prefix + "names only the kernel's parameters", False, f"{unknown}: matmul_kernel has no such parameter; "
+              "the config names BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (and on ROCm waves_per_eu)")
+    amd = sorted(AMD_ONLY & set(kw))
+    if backend == "cuda" and amd:
+        check(prefix + "options the backend takes", False, f"{amd} are AMD options: the CUDA backend refuses them "
+              "(keep them for the ROCm config)")
+    where, limit, _ = SHARED[backend]
+    need = matmul_tile_bytes(config, backend)
+    if need > limit:
+        per = "num_stages" if backend == "cuda" else "each of the num_stages - 1 steps fetched ahead"
+        check(prefix + "fits one block's shared memory", False,
+              f"your A and B tiles take {need:,} bytes ({need / 1024:.0f} KiB) of shared memory on {where} "
+              f"((BLOCK_M x BLOCK_K + BLOCK_K x BLOCK_N) x 2 bytes, for {per}); one block may use {limit:,} "
+              f"({limit // 1024} KiB): use smaller tiles or fewer stages")
+
+
 def check_config(config, device="cpu", backend=None):
     """A triton.Config the kernel can run: tile sizes, warps and stages in range, options the backend takes, tiles
     within one block's shared memory on `backend`'s GPU (computed from their bytes, so a CPU refuses what no GPU
     could launch; default: this GPU's vendor, on a CPU "cuda" unless the config names AMD-only options); then the
     K-loop check with it, through the course's matmul_with (so it grades the configuration, whatever state exercise
-    3.2 is in)."""
-    check("a triton.Config", isinstance(config, triton.Config), "return triton.Config({...}, num_warps=..., num_stages=...)")
-    kw = config.kwargs
-    missing = sorted({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - set(kw))
-    check("names the tile sizes and GROUP_M", not missing, f"add {missing} to the config's dictionary")
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = kw[name]
-        check(f"{name} = {v} is a power of two from 16 to 256",
-              isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v & (v - 1) == 0,
-              "tl.arange and tl.dot need powers of two; the matrix instructions need at least 16")
-    check("GROUP_M >= 1", isinstance(kw["GROUP_M"], int) and kw["GROUP_M"] >= 1, "GROUP_M is a count of tile rows")
-    check("num_warps is 1, 2, 4, 8 or 16", config.num_warps in (1, 2, 4, 8, 16), f"num_warps={config.num_warps}")
-    check("num_stages from 1 to 6", isinstance(config.num_stages, int) and 1 <= config.num_stages <= 6, f"num_stages={config.num_stages}")
-    unknown = sorted(set(kw) - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"} - AMD_ONLY)
-    if unknown:
-        check("names only the kernel's parameters", False, f"{unknown}: matmul_kernel has no such parameter; the "
-              "config names BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (and on ROCm waves_per_eu)")
+    3.2 is in).
+
+    `config` may also be my_config itself, a function of the backend: then every vendor's branch is graded, on any
+    machine: my_config("cuda") against an H100's shared memory and my_config("rocm") against an MI300X's LDS, the
+    other vendor's checks in one PASS line, and the K-loop check runs with `backend`'s config (default: this GPU's
+    vendor, "cuda" on a CPU)."""
+    if callable(config) and not isinstance(config, triton.Config):
+        here = backend or (("rocm" if torch.version.hip else "cuda") if str(device) != "cpu" else "cuda")
+        configs = {b: call_answer(f'my_config("{b}")', config, (b,), f'backend "{b}"') for b in SHARED}
+        for other in (b for b in SHARED if b != here):
+            where, limit, _ = SHARED[other]
+            _check_fields(configs[other], other, prefix=f'my_config("{other}"), for {where}: ')
+            check(f'my_config("{other}") fits {where}: tile sizes, warps, stages and options it takes, A and B tiles '
+                  f"within its {limit // 1024} KiB of shared memory (LDS)", True, "")
+        config, backend = configs[here], here
     if backend is None:
+        kw = config.kwargs if isinstance(config, triton.Config) else {}
         backend = ("rocm" if torch.version.hip else "cuda") if str(device) != "cpu" else \
             ("rocm" if AMD_ONLY & set(kw) else "cuda")
-    amd = sorted(AMD_ONLY & set(kw))
-    if backend == "cuda" and amd:
-        check("options the backend takes", False, f"{amd} are AMD options: the CUDA backend refuses them (keep them "
-              "for the ROCm config)")
-    where, limit, _ = SHARED[backend]
-    need = matmul_tile_bytes(config, backend)
-    if need > limit:
-        per = "num_stages" if backend == "cuda" else "each of the num_stages - 1 steps fetched ahead"
-        check("fits one block's shared memory", False,
-              f"your A and B tiles take {need:,} bytes ({need / 1024:.0f} KiB) of shared memory on {where} "
-              f"((BLOCK_M x BLOCK_K + BLOCK_K x BLOCK_N) x 2 bytes, for {per}); one block may use {limit:,} "
-              f"({limit // 1024} KiB): use smaller tiles or fewer stages")
+    _check_fields(config, backend)
     lab = solutions.load("03")
     try:
         check_matmul(lab.matmul_with(config), device)

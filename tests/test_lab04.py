@@ -6,6 +6,7 @@ for every exercise the reference, other right answers and known-wrong ones, thro
 utils/graders/lab04.py (which also hold the seeded inputs and the tolerance). On a GPU (`@pytest.mark.gpu`): the full
 grid, every combination, sizes to 4096. Tolerance: flash-attn's rule (`within_tolerance`).
 """
+import contextlib
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ import textwrap
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +36,9 @@ if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from utils.graders import lab04 as graders   # noqa: E402  (imports triton: after TRITON_INTERPRET is set)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402,F401  (a @triton.jit function below sees it, as in a lab)
+from utils import grading_guard  # noqa: E402
 
 
 def load(**kwargs):
@@ -334,15 +339,26 @@ def test_every_head_dim_compiles_for_gfx942_and_sm_90_within_shared_memory(lab, 
 
 # --- the exercises' graders ----------------------------------------------------------------------------
 
-def grade(checker, *args):
-    """Run a grader of utils/graders/lab04.py; returns None (passed) or the failure's message."""
+def grade(checker, *args, build=True):
+    """Run a grader of utils/graders/lab04.py; returns None (passed) or the failure's message. build=False: without
+    the ahead-of-time builds for sm_90 and gfx942 (a child process, seconds the first time for each kernel), for
+    answers whose numbers decide (BUILT lists those graded with them)."""
     from utils.exercises import ExerciseFailed
 
+    unbuilt = contextlib.nullcontext() if build else \
+        mock.patch.object(graders, "_building", lambda attention, causal: contextlib.nullcontext())
     try:
-        getattr(graders, checker)(*args)
+        with unbuilt:
+            getattr(graders, checker)(*args)
     except ExerciseFailed as err:
         return str(err)
     return None
+
+
+# The answers graded with the builds for sm_90 and gfx942 too: the references, right answers written differently
+# that the build must carry (a helper of their own, one loop), and the mistakes only the compiler sees.
+BUILT = {"reference", "alternative: a @triton.jit helper and a constant of its own",
+         "alternative: every block masked, one loop"}
 
 
 @pytest.fixture(scope="module")
@@ -372,11 +388,15 @@ PREDICTIONS = {   # answer (None: the reference): None if right, else the parts 
     "wrong: forgets the heads": ("return batch * n * n * (2 + 4 + 4) * 2",
                                  ("at B=1 H=4", "each head has its own", "does not grow with the heads")),
     "wrong: raises": ("return batch * heads * n * n * (2 + 4 + 4) / d", ("raised NameError", "name 'd'")),
+    # the issue: a table of the cases an exercise tries (here the measured sizes, and twice their batch and heads)
+    "wrong: right only at the sizes checked": ("return batch * heads * n * n * 10 if n in (64, 96) and batch * heads "
+                                               "<= 4 else 0", ("drawn for this grade", "not only at the measured")),
 }
 
 
 @pytest.mark.parametrize("name", PREDICTIONS)
-def test_grader_4_1(name, measured):
+def test_grader_4_1(name, measured, monkeypatch):
+    monkeypatch.setenv(grading_guard.SEED_VAR, "7")     # a size drawn other than the measured ones (B=3 H=8 N=149)
     answer, hint = PREDICTIONS[name]
     module = load(answers={"4.1": answer}) if answer else load()
     failure = grade("check_prediction", module.predict_peak_bytes, measured)
@@ -468,7 +488,62 @@ ONLINE_SOFTMAX.update({
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.trans(v))
         m_i = m_new""",
 })
+
+
+@triton.jit
+def _rescaled(acc, alpha):
+    """A learner's own @triton.jit helper, bound in the lab under another name (the build must carry it)."""
+    return acc * alpha[:, None]
+
+
+def _rescaled_in_python(acc, alpha):
+    return acc * alpha[:, None]
+
+
+ONLINE_SOFTMAX.update({
+    "alternative: a @triton.jit helper and a constant of its own": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = rescale_jit(acc, alpha) + tl.dot(p.to(v.dtype), v) * ONE
+        m_i = m_new""",
+    # the issue: what only a compiler sees (the interpreter runs each; compile_attention refuses it for both GPUs)
+    "wrong: tl.dot of FP32 p and BF16 v (the CPU's FP32 copies hide it)": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new""",
+    "wrong: acc turned to the inputs' dtype in the loop": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = (acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)).to(v.dtype)
+        m_i = m_new""",
+    "wrong: a Python helper, not @triton.jit": """
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = rescale_py(acc, alpha) + tl.dot(p.to(v.dtype), v)
+        m_i = m_new""",
+})
+HELPERS = {   # the globals an answer uses, set in its lab module
+    "alternative: a @triton.jit helper and a constant of its own": {"rescale_jit": _rescaled,
+                                                                    "ONE": tl.constexpr(1.0)},
+    "wrong: a Python helper, not @triton.jit": {"rescale_py": _rescaled_in_python},
+}
 SOFTMAX_HINTS = {   # the hint each wrong answer must get (default: the update's checklist)
+    "wrong: tl.dot of FP32 p and BF16 v (the CPU's FP32 copies hide it)": (
+        "refuses your kernel for an H100 (sm_90)", "Both operands must be same dtype. Got fp32 and bf16",
+        "(at `acc = acc * alpha[:, None] + tl.dot(p, v)`)", "tl.dot(p.to(v.dtype), v)"),
+    "wrong: acc turned to the inputs' dtype in the loop": ("refuses your kernel", "Loop-carried variable acc",
+                                                           "keep one dtype through the loop"),
+    "wrong: a Python helper, not @triton.jit": ("refuses your kernel", "Unsupported function referenced: <function "
+                                                "rescale_py>", "only @triton.jit functions"),
     "wrong: each block's own max, no running max": ("spread over hundreds", "never the block's max alone",
                                                     "sm_scale=1"),
     "wrong: no max at all": ("spread over hundreds", "subtract the running max"),
@@ -479,12 +554,17 @@ SOFTMAX_HINTS = {   # the hint each wrong answer must get (default: the update's
 }
 
 
+BUILT |= {name for name, hint in SOFTMAX_HINTS.items() if "refuses your kernel" in " ".join(hint)}
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 @pytest.mark.parametrize("name", ONLINE_SOFTMAX)
 def test_grader_4_2(name):
     answer = ONLINE_SOFTMAX[name]
     module = load(answers={"4.2": answer}) if answer else load()
-    failure = grade("check_attention", module.attention, DEVICE)   # the notebook grades its short wrapper
+    for helper, fn in HELPERS.get(name, {}).items():
+        setattr(module, helper, fn)
+    failure = grade("check_attention", module.attention, DEVICE, build=name in BUILT)   # as the notebook: its wrapper
     if name.startswith("wrong"):
         hint = SOFTMAX_HINTS.get(name, ("check the new running max",))
         assert failure and all(part in failure for part in hint), failure
@@ -545,7 +625,37 @@ CAUSAL.update({
         acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, n_ctx,
                                     stride_kn, stride_vn, qk_scale, BLOCK_N, True, True)""",
 })
+CAUSAL.update({
+    # the issue: work above the diagonal (right numbers: those blocks are masked); a wrong stride blamed on the masks;
+    # what only the compiler sees
+    "wrong: every key block, causally masked (work above the diagonal)": """
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, n_ctx, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, True, True)""",
+    "wrong: k's row stride for v": """
+        below = start_m * BLOCK_M
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, below, n_ctx,
+                                    stride_kn, stride_kn, qk_scale, BLOCK_N, False, True)
+        end = tl.minimum(below + BLOCK_M, n_ctx)
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, below, end, n_ctx,
+                                    stride_kn, stride_kn, qk_scale, BLOCK_N, True, True)""",
+    "wrong: a break in a loop (the compiler refuses it)": """
+        below = start_m * BLOCK_M
+        acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, 0, below, n_ctx,
+                                    stride_kn, stride_vn, qk_scale, BLOCK_N, False, True)
+        for _ in range(1):
+            end = tl.minimum(below + BLOCK_M, n_ctx)
+            acc, l_i, m_i = attn_blocks(acc, l_i, m_i, q, k_base, v_base, k_tile, v_tile, d_ok, offs_m, below, end,
+                                        n_ctx, stride_kn, stride_vn, qk_scale, BLOCK_N, True, True)
+            break""",
+})
 CAUSAL_HINTS = {
+    "wrong: every key block, causally masked (work above the diagonal)": (
+        "no key block above the diagonal", "query block start_m=0 (rows 0 to 63)", "entirely above the diagonal",
+        "min((start_m + 1) * BLOCK_M, n_ctx)"),
+    "wrong: k's row stride for v": ("v_transposed", "right on contiguous copies", "a stride, not the masks",
+                                    "stride_vn"),
+    "wrong: a break in a loop (the compiler refuses it)": ("refuses your kernel for an H100 (sm_90)",
+                                                           "unsupported AST node type: Break", "(at `break`)"),
     "wrong: the diagonal skipped": ("NaN from query row 0", "saw no key"),
     "wrong: no causal mask at all": ("attention without the causal mask",),
     "wrong: the diagonal unmasked": ("after its own position", "MASKED=True and CAUSAL=True"),
@@ -553,6 +663,7 @@ CAUSAL_HINTS = {
     "wrong: a crash (a missing argument)": ("raised TypeError", "missing 1 required positional argument",
                                             "the arguments of your two attn_blocks calls"),
 }
+BUILT |= {name for name, hint in CAUSAL_HINTS.items() if "refuses your kernel" in " ".join(hint)}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")     # 0 / 0 where a wrong answer saw no key
@@ -560,11 +671,10 @@ CAUSAL_HINTS = {
 def test_grader_4_3(name):
     answer = CAUSAL[name]
     module = load(answers={"4.3": answer}) if answer else load()
-    failure = grade("check_causal", module.attention, DEVICE)
+    failure = grade("check_causal", module.attention, DEVICE, build=name in BUILT)
     if name.startswith("wrong"):
-        assert failure and "every query sees the keys up to its own position" in failure or \
-            "attn_blocks calls" in failure, failure
-        assert all(part in failure for part in CAUSAL_HINTS.get(name, ())), failure
+        hint = CAUSAL_HINTS.get(name, ("every query sees the keys up to its own position",))
+        assert failure and all(part in failure for part in hint), failure
     else:
         assert failure is None, failure
 
@@ -575,7 +685,7 @@ def test_grader_4_3_a_right_causal_answer_is_not_blamed_for_a_wrong_update(updat
     """The issue: a wrong 4.2 that passed made a correct 4.3 fail with a hint that blamed the causal code."""
     for causal in (None, CAUSAL["alternative: every block masked, one loop"]):
         answers = {"4.2": ONLINE_SOFTMAX[update], **({"4.3": causal} if causal else {})}
-        failure = grade("check_causal", load(answers=answers).attention, DEVICE)
+        failure = grade("check_causal", load(answers=answers).attention, DEVICE, build=False)
         assert failure and "4.2" in failure and "every query sees the keys" not in failure, failure
         assert "your causal blocks are right" in failure or "not your causal blocks" in failure, failure
 
@@ -611,11 +721,17 @@ TILES = {
         return dict(BLOCK_M=64, BLOCK_N=32)
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)""", "multiple of BLOCK_N"),
     "wrong: raises": ("return dict(BLOCK_M=64, BLOCK_N=32)[device]", "raised KeyError"),
+    # the issue: fitting the test, not the task (right only at the head dims the grader used to ask)
+    "wrong: right only at the head dims it is asked": ("""
+    if device.type == "cpu" or head_dim in (64, 128):
+        return dict(BLOCK_M=64, BLOCK_N=32)
+    return dict(BLOCK_M=64, BLOCK_N=128)""", ("a head dim drawn for this grade", "multiple of BLOCK_N")),
 }
 
 
 @pytest.mark.parametrize("name", TILES)
-def test_grader_4_4(name):
+def test_grader_4_4(name, monkeypatch):
+    monkeypatch.setenv(grading_guard.SEED_VAR, "7")     # a head dim drawn other than 64 and 128 (D=96)
     answer, hint = TILES[name]
     module = load(answers={"4.4": answer}) if answer else load()
     saved = torch.version.hip
@@ -715,3 +831,54 @@ def test_an_attention_that_writes_into_its_inputs_fails_naming_the_input():
 
     with pytest.raises(ExerciseFailed, match="changed its input q"):
         graders.check_attention(scales_q_in_place, "cpu")
+
+
+# --- issue 46: fresh inputs every grade, the compiler's word on both GPUs -----------------------------------------
+
+def test_every_grade_draws_cases_of_its_own_and_a_seed_draws_them_again(monkeypatch):
+    """Beside the fixed cases each grade draws two, small (the interpreter is slow): shapes, layout, dtype, sm_scale
+    and values new every time, the same again under COURSE_GRADE_SEED."""
+    monkeypatch.delenv(grading_guard.SEED_VAR, raising=False)
+    assert len({repr(graders._cases()[-2:]) for _ in range(3)}) == 3
+    monkeypatch.setenv(grading_guard.SEED_VAR, "12345")
+    assert graders._cases() == graders._cases()
+    for batch, heads, n, d, layout, dtype, sm_scale, seed in (c for s in range(300) for c in graders.fresh_cases(s)):
+        assert batch * heads <= 2 and 1 <= n <= 160 and d % 8 == 0 and 16 <= d <= 128 and seed is not None
+        assert layout in graders.LAYOUTS + ("spread",) and (layout != "spread" or n > 32)
+
+
+def test_a_table_of_the_cases_tried_fails_on_the_cases_drawn_naming_its_seed(monkeypatch):
+    """The issue's "fitting the test": an answer right on every fixed case (their shapes in a table) and wrong
+    elsewhere fails on a case drawn for the grade; the failure names the seed that draws it again."""
+    from utils import exercises
+
+    fixed = {(1, 2, n, d) for n, d, _ in graders.ATTENTION_CASES} | {case[:4] for case in graders.HIDDEN_CASES}
+
+    def table(q, k, v, causal, sm_scale=None):
+        if tuple(q.shape) in fixed:
+            return graders.reference(q, k, v, causal, sm_scale).to(q.dtype)
+        return torch.zeros_like(q)
+
+    monkeypatch.setenv(grading_guard.SEED_VAR, "3")
+    with pytest.raises(exercises.ExerciseFailed, match=r"\(drawn for this grade\).*COURSE_GRADE_SEED=3"):
+        exercises.Lab("04_flash_attention").grade("4.2", "the online-softmax update", graders.check_attention, table,
+                                                  DEVICE)
+
+
+def test_the_course_kernel_builds_for_both_gpus_and_once(lab):
+    """The grader builds the kernel an answer's `attention` launches for sm_90 and gfx942 as the lab's
+    compile_attention does (in a process without the interpreter): the course's builds for both, and grading the
+    same kernel again reads what was kept under the build folder, starting no process."""
+    for causal in (False, True):
+        assert graders._Build(lab.flash_attention, causal).finish() == {"sm_90": None, "gfx942": None}
+        again = graders._Build(lab.flash_attention, causal)
+        assert again.proc is None and again.finish() == {"sm_90": None, "gfx942": None}
+
+
+def test_a_gpu_this_machine_cannot_build_for_is_said_not_checked_here(lab, monkeypatch, capsys):
+    """Where Triton cannot build even the course's kernel for a target (no toolchain for it here), the answer is not
+    failed for it: the grade says that target was not checked here."""
+    monkeypatch.setattr(graders, "GPU_TARGETS", {"gfx0": ("an imaginary GPU (gfx0)", 0, None)})
+    assert grade("check_attention", lab.attention, DEVICE) is None
+    assert "gfx0 not checked here (Triton does not build the course's own kernel for it on this machine either: " \
+           "ValueError: unknown target 'gfx0'" in capsys.readouterr().out

@@ -1,13 +1,27 @@
 """Lab 04's graders (exercises 4.1-4.4), with the seeded inputs they build and flash-attn's tolerance rule they apply."""
 import contextlib
+import hashlib
+import inspect
+import json
 import numbers
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import types
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+import triton
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from utils import solutions
+from utils.base.paths import REPO_ROOT, build_dir
 from utils.exercises import ExerciseFailed, check, error_line, is_not_done, unfinished
 from utils import grading_guard
 
@@ -116,6 +130,18 @@ def check_prediction(predict, measured):
                                    f"holds twice what it holds at B={batch} H={heads} ({2 * got:,} bytes): each "
                                    f"{why} has its own N x N tensors" +
                                    (f"; your formula does not grow with the {what}" if same else ""))
+    batch, heads, n, got = max(measured, key=lambda m: m[2])    # the longest: scaled to a size drawn per grade
+    rng = random.Random(grading_guard.fresh_seed())
+    b, h, m = batch * rng.randint(1, 4), heads * rng.randint(1, 4), rng.randint(n // 2, 2 * n)
+    holds = got * b * h * m * m / (batch * heads * n * n)
+    want = predicted(b, h, m)
+    wrong, number = off(want, holds)
+    if wrong:
+        said = f"{want:,.0f} bytes" if number else f"{want!r}, not a number"
+        check(name, False, f"at B={b} H={h} N={m} (a size drawn for this grade) you predict {said}, and naive "
+                           f"attention holds {holds:,.0f} there (what it holds at B={batch} H={heads} N={n}, {got:,} "
+                           "bytes, scaled: its N x N tensors, one per sequence and head): a formula of batch, heads "
+                           "and n, right at every size, not only at the measured ones")
     check(name, True, "")
 
 
@@ -172,26 +198,66 @@ def _run(attention, q, k, v, causal, sm_scale, name):
 
 
 # (batch, heads, n, d, layout or "spread", dtype, sm_scale): the cases each grader adds to the printed ones,
-# checked without a line of their own. Spread scores, sm_scale=8, batch > 1, FP16, a broadcast and a sliced layout.
+# checked without a line of their own. Spread scores, sm_scale=8, batch > 1, FP16, a broadcast and a sliced layout,
+# and v alone in a model's layout (its rows another stride apart than k's).
 HIDDEN_CASES = [(2, 1, 100, 64, "spread", torch.bfloat16, 1.0), (1, 1, 77, 48, "spread", torch.float16, 1.0),
                 (2, 1, 97, 32, "contiguous", torch.bfloat16, 8.0), (1, 2, 45, 48, "kv_broadcast", torch.float16, None),
-                (1, 1, 70, 80, "head_dim_slice", torch.bfloat16, 3.0)]
+                (1, 1, 70, 80, "head_dim_slice", torch.bfloat16, 3.0),
+                (1, 2, 70, 64, "v_transposed", torch.bfloat16, None)]
 
 
-def _hidden(attention, device, causal, name="attention", spread_only=False):
-    """The HIDDEN_CASES (or only those with spread scores) that fail: (label, output, error, allowed, spread, (q, k, v))."""
-    for batch, heads, n, d, layout, dtype, sm_scale in HIDDEN_CASES:
+def fresh_cases(seed: int) -> list[tuple]:
+    """Two cases drawn from `seed` (a grade's `fresh_seed`), small (the interpreter is slow): batch, heads, length,
+    head dim (a multiple of 8 from 16 to 128), layout, dtype and sm_scale at random, and spread scores at a random
+    length and head dim; as HIDDEN_CASES with the seed of their values last."""
+    rng = random.Random(seed)
+    dtype = lambda: rng.choice((torch.bfloat16, torch.float16))
+    batch, heads = rng.choice(((1, 1), (1, 2), (2, 1)))
+    return [(batch, heads, rng.randint(1, 160), 8 * rng.randint(2, 16), rng.choice(LAYOUTS), dtype(),
+             rng.choice((None, round(rng.uniform(0.05, 1.5), 3))), seed),
+            (1, 1, rng.randint(40, 160), 8 * rng.randint(2, 12), "spread", dtype(), 1.0, seed)]
+
+
+def _cases() -> list[tuple]:
+    """HIDDEN_CASES (their values seeded by their size) and this grade's fresh_cases."""
+    return [(*case, None) for case in HIDDEN_CASES] + fresh_cases(grading_guard.fresh_seed())
+
+
+def _layout_hint(attention, q, k, v, causal, sm_scale, spread):
+    """For a wrong output on inputs not all contiguous: a stride hint if contiguous copies of the same values come
+    out right (else None), so that a wrong stride is not blamed on the masks or the update."""
+    strided = [(name, t) for name, t in zip("qkv", (q, k, v)) if not t.is_contiguous()]
+    if not strided:
+        return None
+    same = [t.contiguous() for t in (q, k, v)]
+    try:
+        out = _run(attention, *same, causal, sm_scale, "attention on contiguous copies")
+    except ExerciseFailed:
+        return None
+    if not _within(out, *same, causal, sm_scale, spread)[0]:
+        return None
+    laid = ", ".join(f"{name} {tuple(t.shape)} with strides {t.stride()}" for name, t in strided)
+    return (f"right on contiguous copies of these q, k and v, wrong with {laid}: a stride, not the masks or the "
+            "update: each tensor's rows are its own row stride apart, so pass k's (stride_kn) with k and v's "
+            "(stride_vn) with v, as flash_attention's non-causal call passes them to attn_blocks")
+
+
+def _hidden(attention, device, causal, cases, name="attention", spread_only=False):
+    """The `cases` (or only those with spread scores) that fail: (label, output, error, allowed, spread, (q, k, v),
+    the stride hint if the layout is what is wrong)."""
+    for batch, heads, n, d, layout, dtype, sm_scale, seed in cases:
         spread = layout == "spread"
         if spread_only and not spread:
             continue
-        q, k, v = (spread_inputs(batch, heads, n, d, dtype, device, seed=n) if spread else
-                   make_inputs(batch, heads, n, d, layout, dtype, device, seed=n + d))
+        q, k, v = (spread_inputs(batch, heads, n, d, dtype, device, seed=n if seed is None else seed) if spread else
+                   make_inputs(batch, heads, n, d, layout, dtype, device, seed=n + d if seed is None else seed))
         what = (f"{name} B={batch} H={heads} N={n} D={d} {'spread scores' if spread else layout} {str(dtype)[6:]}"
-                f"{'' if sm_scale is None else f' sm_scale={sm_scale:g}'}{' causal' if causal else ''}")
+                f"{'' if sm_scale is None else f' sm_scale={sm_scale:g}'}{' causal' if causal else ''}"
+                f"{'' if seed is None else ' (drawn for this grade)'}")
         out = _run(attention, q, k, v, causal, sm_scale, what)
         ok, err, allowed = _within(out, q, k, v, causal, sm_scale, spread)
         if not ok:
-            yield what, out, err, allowed, spread, (q, k, v)
+            yield what, out, err, allowed, spread, (q, k, v), _layout_hint(attention, q, k, v, causal, sm_scale, spread)
 
 
 UPDATE_HINT = "check the new running max, p = exp2(s - max), the rescaling of l_i and acc by alpha, and m_i"
@@ -213,32 +279,38 @@ def _check_cases(attention, device, causal, cases, hint, name="attention"):
         label = f"{name} N={n}{f' D={d}' if name == 'attention' else ''} {layout}{' causal' if causal else ''}"
         out = _run(attention, q, k, v, causal, None, label)
         ok, err, allowed = within_tolerance(out, q, k, v, causal)
-        check(label, ok, f"max error {err:.3g}, allowed {allowed:.3g}: {hint(out, q, k, v) if callable(hint) else hint}")
+        why = "" if ok else (_layout_hint(attention, q, k, v, causal, None, False) or
+                             (hint(out, q, k, v) if callable(hint) else hint))
+        check(label, ok, f"max error {err:.3g}, allowed {allowed:.3g}: {why}")
 
 
 ATTENTION_CASES = ((1, 64, "contiguous"), (100, 64, "contiguous"), (77, 80, "model"), (200, 32, "contiguous"))
+WRAPPER_BLOCK_M, WRAPPER_BLOCK_N = 64, 32     # the tiles `attention` (the lab's short wrapper) launches
 
 
 def check_attention(attention, device="cpu"):
     """Exercise 4.2: non-causal attention on ragged lengths, a padded head dim and a model's layout; then (without a
-    line each) scores that spread over hundreds, sm_scale=8, batch > 1, FP16 and other layouts; and, once the causal
-    blocks (4.3) are written, causal inputs, where some key blocks are entirely masked for some rows."""
-    _check_cases(attention, device, False, ATTENTION_CASES, lambda out, *_: _update_hint(out, False))
-    for what, out, err, allowed, spread, _ in _hidden(attention, device, False):
-        check(what, False, f"max error {err:.3g}, allowed {allowed:.3g}: {_update_hint(out, spread)}")
-    causal_blocks = getattr(attention, "__globals__", {}).get("causal_blocks")
-    if causal_blocks is not None and not unfinished(causal_blocks):
-        for n in (100,):
-            q, k, v = make_inputs(2, 1, n, 64, "contiguous", torch.bfloat16, device, seed=n)
-            label = f"attention B=2 H=1 N={n} D=64 causal (fully masked key blocks)"
-            out = _run(attention, q, k, v, True, None, label)
-            if _fully_masked_nan(out, q):
-                check(label, False, FULLY_MASKED_HINT)
+    line each) scores that spread over hundreds, sm_scale=8, batch > 1, FP16, other layouts and two cases drawn for
+    this grade; and, once the causal blocks (4.3) are written, causal inputs, where some key blocks are entirely
+    masked for some rows. Meanwhile Triton's compiler builds the kernel for an H100 and an MI300X, as the lab's
+    `compile_attention` does: what it refuses fails too, with its message."""
+    with _building(attention, causal=False) as build:
+        _check_cases(attention, device, False, ATTENTION_CASES, lambda out, *_: _update_hint(out, False))
+        for what, out, err, allowed, spread, _, stride in _hidden(attention, device, False, _cases()):
+            check(what, False, f"max error {err:.3g}, allowed {allowed:.3g}: {stride or _update_hint(out, spread)}")
+        causal_blocks = getattr(attention, "__globals__", {}).get("causal_blocks")
+        if causal_blocks is not None and not unfinished(causal_blocks):
+            for n in (100,):
+                q, k, v = make_inputs(2, 1, n, 64, "contiguous", torch.bfloat16, device, seed=n)
+                label = f"attention B=2 H=1 N={n} D=64 causal (fully masked key blocks)"
+                out = _run(attention, q, k, v, True, None, label)
+                if _fully_masked_nan(out, q):
+                    check(label, False, FULLY_MASKED_HINT)
+        _check_builds(build, causal=False)
 
 
 CAUSAL_HINT = ("every query sees the keys up to its own position: the blocks before the diagonal unmasked, the "
                "diagonal ones masked (NaN: some row saw no key at all)")
-WRAPPER_BLOCK_M, WRAPPER_BLOCK_N = 64, 32     # the tiles `attention` (the lab's short wrapper) launches
 
 
 def _masked_block_rows(n: int) -> torch.Tensor:
@@ -287,17 +359,276 @@ def _causal_hint(out, q, k, v):
     return CAUSAL_HINT
 
 
+def _above_diagonal(attention, device):
+    """The first query block (the wrapper's BLOCK_M rows) whose outputs turn NaN when the values of the keys after
+    its last query are NaN, which none of its queries may see: a kernel that reads a key block entirely above the
+    diagonal multiplies those values by p = 0 and gets NaN (on the interpreter and on a GPU alike). None if none."""
+    n = 3 * WRAPPER_BLOCK_M
+    q, k, v = make_inputs(1, 1, n, 16, "contiguous", torch.bfloat16, device, seed=n)
+    for block in range(n // WRAPPER_BLOCK_M - 1):
+        end, length = (block + 1) * WRAPPER_BLOCK_M, (block + 2) * WRAPPER_BLOCK_M   # the block after it is above
+        poisoned = v[:, :, :length].clone()
+        poisoned[:, :, end:] = float("nan")
+        out = _run(attention, q[:, :, :length], k[:, :, :length], poisoned, True, None,
+                   f"attention N={length} D=16 causal")
+        if isinstance(out, torch.Tensor) and out.shape[2] == length and \
+                not torch.isfinite(out[:, :, end - WRAPPER_BLOCK_M:end].float()).all():
+            return block
+    return None
+
+
 def check_causal(attention, device="cpu"):
     """Exercise 4.3: causal attention; one block, several, ragged, a padded head dim, a model's layout; then (without
-    a line each) spread scores, sm_scale=8, batch > 1, FP16, other layouts. Before any of it, the update of 4.2 on
-    non-causal inputs with spread scores, so that a wrong update is not blamed on the causal blocks."""
-    for what, out, err, allowed, spread, _ in _hidden(attention, device, False, spread_only=True):
-        check("the online-softmax update (exercise 4.2) first", False,
-              f"{what}: max error {err:.3g}, allowed {allowed:.3g}: not your causal blocks: the update of exercise "
-              f"4.2 is wrong: {_update_hint(out, spread)}")
-    _check_cases(attention, device, True, ATTENTION_CASES, _causal_hint)
-    for what, out, err, allowed, _, qkv in _hidden(attention, device, True):
-        check(what, False, f"max error {err:.3g}, allowed {allowed:.3g}: {_causal_hint(out, *qkv)}")
+    a line each) spread scores, sm_scale=8, batch > 1, FP16, other layouts, two cases drawn for this grade, and no
+    key block above the diagonal read. Before any of it, the update of 4.2 on non-causal inputs with spread scores,
+    so that a wrong update is not blamed on the causal blocks. Meanwhile Triton's compiler builds the causal kernel
+    for an H100 and an MI300X: what it refuses fails too, with its message."""
+    cases = _cases()
+    with _building(attention, causal=True) as build:
+        for what, out, err, allowed, spread, _, _ in _hidden(attention, device, False, cases, spread_only=True):
+            check("the online-softmax update (exercise 4.2) first", False,
+                  f"{what}: max error {err:.3g}, allowed {allowed:.3g}: not your causal blocks: the update of exercise "
+                  f"4.2 is wrong: {_update_hint(out, spread)}")
+        _check_cases(attention, device, True, ATTENTION_CASES, _causal_hint)
+        for what, out, err, allowed, _, qkv, stride in _hidden(attention, device, True, cases):
+            check(what, False, f"max error {err:.3g}, allowed {allowed:.3g}: {stride or _causal_hint(out, *qkv)}")
+        block = _above_diagonal(attention, device)
+        if block is not None:
+            first, last = block * WRAPPER_BLOCK_M, (block + 1) * WRAPPER_BLOCK_M - 1
+            check("attention causal: no key block above the diagonal", False,
+                  f"the outputs of query block start_m={block} (rows {first} to {last}) turned NaN when the values of "
+                  f"the keys after row {last} were NaN: your causal blocks read key blocks entirely above the "
+                  "diagonal, which none of its queries may see (masked, they change no output, and cost as much as "
+                  "the blocks below): end the diagonal's keys at the end of this block's queries, "
+                  "min((start_m + 1) * BLOCK_M, n_ctx), and call attn_blocks for nothing beyond")
+        _check_builds(build, causal=True)
+
+
+# --- what only a compiler sees: the learner's kernel built for both vendors' GPUs, as the lab's compile_attention ----
+
+AOT_HEAD_DIM = 64     # one head dim, with the wrapper's tiles: the kernel `attention` launches on a GPU
+
+
+class _Recorded(Exception):
+    pass
+
+
+def _compile_call(kernel, target: str, causal: bool) -> dict:
+    """The signature and options that the lab's `compile_attention` hands `isa.compile_triton` for `kernel` (not the
+    lab's own `flash_attention`) on `target`, at AOT_HEAD_DIM with the wrapper's tiles: its own code, run with those
+    two names rebound, stopped at that call (so that the grader builds exactly what the lab builds)."""
+    lab = solutions.load("04")
+    call = {}
+
+    def record(_kernel, signature, _target, **options):
+        call.update(signature=signature, options=options)
+        raise _Recorded
+
+    compile_attention = lab.compile_attention       # run as the grader's own code (__name__), not the lab's
+    rebound = types.FunctionType(compile_attention.__code__, {**compile_attention.__globals__, "__name__": __name__,
+                                 "flash_attention": kernel, "isa": types.SimpleNamespace(compile_triton=record)},
+                                 argdefs=compile_attention.__defaults__)
+    with contextlib.suppress(_Recorded):
+        rebound(target, AOT_HEAD_DIM, causal, dict(BLOCK_M=WRAPPER_BLOCK_M, BLOCK_N=WRAPPER_BLOCK_N))
+    return call
+
+
+def _is_kernel(obj) -> bool:
+    return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
+
+
+def _carried_source(kernel) -> str:
+    """Python source that defines `kernel` in a fresh process: the @triton.jit functions it reaches (at any depth),
+    and the modules, triton.language functions and constants they name; a Python function one calls is a stand-in
+    of that name, which the compiler refuses as it would the real one. (Under the interpreter the compiler must run
+    in another process.)"""
+    parts, seen, todo = [], set(), [kernel]
+    while todo:
+        fn = todo.pop().fn
+        parts.append(textwrap.dedent(inspect.getsource(fn)))
+        for name in fn.__code__.co_names:
+            if name in seen or name not in fn.__globals__:
+                continue
+            seen.add(name)
+            obj = fn.__globals__[name]
+            if _is_kernel(obj):
+                todo.append(obj)
+                if obj.fn.__name__ != name:           # a kernel bound to another name than its def's
+                    parts.append(f"{name} = {obj.fn.__name__}")
+            elif isinstance(obj, types.ModuleType):
+                parts.insert(0, f"import {obj.__name__}\n{name} = sys.modules[{obj.__name__!r}]")
+            elif isinstance(obj, tl.constexpr):
+                parts.insert(0, f"{name} = tl.constexpr({obj.value!r})")
+            elif isinstance(obj, tl.dtype):
+                parts.insert(0, f"{name} = tl.dtype({obj.name!r})")
+            elif getattr(obj, "__module__", "").startswith("triton") and hasattr(obj, "__qualname__"):
+                parts.insert(0, f"import {obj.__module__}\n{name} = {obj.__module__}.{obj.__qualname__}")
+            elif isinstance(obj, float):
+                parts.insert(0, f"{name} = float({repr(obj)!r})")
+            elif obj is None or isinstance(obj, (bool, int, str)):
+                parts.insert(0, f"{name} = {obj!r}")
+            elif isinstance(obj, types.FunctionType):
+                parts.insert(0, f"def {name}(*args, **kwargs):\n    pass")
+    header = "import sys\nimport triton\nimport triton.language as tl\nfrom triton import jit"
+    return "\n\n".join([header] + parts) + "\n"
+
+
+# Run by a fresh process: defines the kernel from carried.py, builds it for each target as isa.compile_triton does,
+# and prints a line {target: null (built) or [[type, message], ...] (the error and what it came from)} for each.
+_BUILDER = """
+import importlib.util, json, sys
+from utils import isa
+spec = importlib.util.spec_from_file_location("carried", sys.argv[1])
+carried = importlib.util.module_from_spec(spec)
+try:
+    spec.loader.exec_module(carried)
+except Exception as err:
+    print(json.dumps({"carried": f"{type(err).__name__}: {err}"}))
+    sys.exit()
+job = json.load(open(sys.argv[2]))
+for target, call in job["calls"].items():
+    chain = None
+    try:
+        isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], target, **call["options"])
+    except Exception as err:
+        chain = []
+        while err is not None:
+            chain.append([type(err).__name__, str(err)])
+            err = err.__cause__ or err.__context__
+    print(json.dumps({target: chain}), flush=True)
+"""
+
+
+class _Build:
+    """`kernel` built ahead of time for sm_90 and gfx942 in a child process, started at once (it runs while the
+    interpreter checks the answer); `result()` waits for it: {target: None (built) or the compiler's error chain},
+    or {"carried": why} if the kernel could not be defined there. What built is remembered under the build folder
+    (keyed by the sources and the build's arguments), so that grading the same kernel again costs nothing."""
+
+    def __init__(self, kernel, causal: bool):
+        self.proc, self.folder, self.cached, self.source = None, None, None, ""
+        try:
+            self.source = source = _carried_source(kernel)
+        except (OSError, TypeError) as err:       # no source to carry (defined where inspect cannot read it)
+            self.cached = {"carried": f"{type(err).__name__}: {err}"}
+            return
+        job = {"kernel": kernel.fn.__name__, "calls": {t: _compile_call(kernel, t, causal) for t in GPU_TARGETS}}
+        text = json.dumps(job, default=list)           # in order: the signature is positional
+        key = hashlib.sha256(f"{triton.__version__}\n{source}\n{text}".encode()).hexdigest()[:24]
+        self.memo = build_dir() / "lab04_builds" / f"{key}.json"
+        if self.memo.exists():
+            self.cached = json.loads(self.memo.read_text())
+            return
+        self.folder = tempfile.TemporaryDirectory()
+        carried, job_file = os.path.join(self.folder.name, "carried.py"), os.path.join(self.folder.name, "job.json")
+        with open(carried, "w") as f:
+            f.write(source)
+        with open(job_file, "w") as f:
+            f.write(text)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen([sys.executable, "-c", _BUILDER, carried, job_file], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def result(self) -> dict:
+        if self.cached is None:
+            stdout, stderr = self.proc.communicate()
+            self.cached = {}
+            for line in stdout.splitlines():
+                with contextlib.suppress(ValueError):
+                    self.cached.update(json.loads(line))
+            if not self.cached or self.proc.returncode:       # the compiler itself crashed on a target
+                last = (stderr.strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]
+                self.cached.update({t: [["the compiler crashed", last]] for t in GPU_TARGETS if t not in self.cached})
+            if set(self.cached) == set(GPU_TARGETS) and not any(self.cached.values()):
+                with contextlib.suppress(OSError):
+                    self.memo.parent.mkdir(parents=True, exist_ok=True)
+                    self.memo.write_text(json.dumps(self.cached))
+        return self.cached
+
+    def finish(self) -> dict:
+        try:
+            return self.result()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+        if self.folder is not None:
+            self.folder.cleanup()
+
+
+@contextlib.contextmanager
+def _building(attention, causal: bool):
+    """The kernel `attention` launches (its global flash_attention) building for both GPUs while the block runs;
+    yields its _Build (None when `attention` launches no Triton kernel of its own)."""
+    kernel = getattr(attention, "__globals__", {}).get("flash_attention")
+    build = _Build(kernel, causal) if _is_kernel(kernel) else None
+    try:
+        yield build
+    finally:
+        if build is not None:
+            build.stop()
+
+
+def _compiler_message(chain, source: str) -> str:
+    """The compiler's error: the innermost message of its chain, and the line of the kernel's source it points at
+    (the deepest excerpt whose caret points into that source, not into triton.language's)."""
+    kind, text = chain[-1]
+    lines = text.strip().split("\n")
+    carets = [i for i, line in enumerate(lines) if line.strip() == "^"]
+    said = " ".join(line.strip() for line in lines[carets[-1] + 1:]) if carets else lines[0]
+    message = f"{kind}: {re.sub(r' at 0x[0-9a-f]+', '', said.strip()) or '(no message)'}"
+    for _, text in reversed(chain):
+        lines = text.split("\n")
+        pointed = [lines[i - 1].strip() for i, line in enumerate(lines) if line.strip() == "^" and i > 0]
+        if pointed and pointed[-1] and pointed[-1] in source:
+            return f"{message} (at `{pointed[-1]}`)"
+    return message
+
+
+def _compiler_hint(message: str) -> str:
+    """What a refusal the interpreter never makes usually means."""
+    if "must be same dtype" in message:
+        return ("; tl.dot takes two operands of one dtype: on a GPU v is the inputs' BF16 or FP16 (on the CPU the "
+                "wrapper hands the interpreter FP32 copies, so it never sees this): tl.dot(p.to(v.dtype), v)")
+    if "Loop-carried variable" in message:
+        return "; acc, l_i and m_i keep one dtype through the loop (FP32, as flash_attention makes them)"
+    if "Unsupported function" in message:
+        return "; a kernel calls only @triton.jit functions and triton.language's"
+    return ""
+
+
+def _check_builds(build, causal: bool) -> None:
+    """Fails a kernel Triton's compiler refuses for sm_90 or gfx942, with the compiler's message. A target for which
+    the course's own kernel does not build here either (no toolchain) is said not checked here, in a NOTE."""
+    if build is None:
+        return
+    name = f"your kernel builds for an H100 and an MI300X{' (causal)' if causal else ''}"
+    results = build.result()
+    if "carried" in results:
+        print(f"NOTE: {name}: not checked here (its source could not be rebuilt in a fresh process: "
+              f"{results['carried']})")
+        return
+    course = theirs = None
+    for target, chain in results.items():
+        if not chain:
+            continue
+        if course is None:
+            course = _Build(solutions.load("04").flash_attention, causal)
+            theirs = course.finish()
+        why = theirs.get("carried") or theirs.get(target)
+        if why:
+            print(f"NOTE: {name}: {target} not checked here (Triton does not build the course's own kernel for it on "
+                  f"this machine either: {_compiler_message(why, course.source) if isinstance(why, list) else why})")
+            continue
+        message = _compiler_message(chain, build.source)
+        check(name, False, f"Triton's compiler refuses your kernel for {GPU_TARGETS[target][0]} (what the lab's "
+                           f"compile_attention builds, with the tiles `attention` launches, BF16 inputs, "
+                           f"{'causal' if causal else 'not causal'}), though it ran here (on a CPU, Triton's "
+                           f"interpreter): on that GPU it would not build: {message}{_compiler_hint(message)}")
 
 
 # --- 4.4: tiles ------------------------------------------------------------------------------------------
@@ -352,12 +683,13 @@ def _gpu_tiles(config_for, head_dims, device):
     return out
 
 
-def _check_fits(config, head_dim, target, lab):
+def _check_fits(config, head_dim, target, lab, drawn=False):
     where, limit, _ = GPU_TARGETS[target]
+    at = f"D={head_dim}{' (a head dim drawn for this grade)' if drawn else ''}"
     try:
         tiles = lab.check_config(config)
     except ValueError as err:
-        check("your tiles are a valid config", False, f"your tiles for D={head_dim} on {where} (my_config({head_dim}, "
+        check("your tiles are a valid config", False, f"your tiles for {at} on {where} (my_config({head_dim}, "
                                                       f"torch.device('cuda'))): {err}")
     need = attention_tile_bytes(tiles, head_dim, target)
     if need > limit:
@@ -366,7 +698,7 @@ def _check_fits(config, head_dim, target, lab):
             if target == "sm_90" else ("the largest of the Q, K, V tiles and the K and V tiles of the num_stages - 1 "
                                        "steps fetched ahead", "at least")
         check("your tiles fit the GPU", False,
-              f"at D={head_dim} on {where} your tiles (BLOCK_M={tiles['BLOCK_M']}, BLOCK_N={tiles['BLOCK_N']}, "
+              f"at {at} on {where} your tiles (BLOCK_M={tiles['BLOCK_M']}, BLOCK_N={tiles['BLOCK_N']}, "
               f"num_stages={stages}) take {how[1]} {need:,} bytes of shared memory ({how[0]}, 2 bytes a value), "
               f"and one block may use {limit:,}: smaller tiles or fewer stages")
 
@@ -374,8 +706,8 @@ def _check_fits(config, head_dim, target, lab):
 def check_tiles(attention, config_for, head_dim, device):
     """Exercise 4.4: the tiles `config_for(head_dim, device)` are valid (the lab's `check_config`), fit the GPU's shared
     memory (computed from the tiles' bytes, on a CPU too: the tiles `config_for` gives for an H100 and an MI300X at
-    this head dim and at 128), launch, and give right answers through `attention(q, k, v, causal, config=...)` (the
-    lab's `portable_attention`)."""
+    this head dim, at 128 and at one drawn for this grade), launch, and give right answers through
+    `attention(q, k, v, causal, config=...)` (the lab's `portable_attention`)."""
     device = torch.device(device)
     lab = solutions.load("04")
     try:
@@ -387,8 +719,10 @@ def check_tiles(attention, config_for, head_dim, device):
         lab.check_config(config)
     except ValueError as err:
         check("your tiles are a valid config", False, str(err))
-    for target, d, gpu_config in _gpu_tiles(config_for, sorted({head_dim, 128}), device):
-        _check_fits(gpu_config, d, target, lab)
+    fresh = 8 * random.Random(grading_guard.fresh_seed()).randint(2, 32)     # a head dim drawn for this grade
+    head_dims = sorted({head_dim, 128}) + [fresh] * (fresh not in (head_dim, 128))
+    for target, d, gpu_config in _gpu_tiles(config_for, head_dims, device):
+        _check_fits(gpu_config, d, target, lab, drawn=d not in (head_dim, 128))
     if device.type == "cuda":
         _check_fits(config, head_dim, "gfx942" if torch.version.hip else "sm_90", lab)
     check("your tiles are a valid config", True, "")

@@ -4,7 +4,7 @@ import pytest
 
 from grading import errors, run_lab_with, stream_text
 from utils import device as devices
-from utils import solutions
+from utils import grading_guard, solutions
 from utils.exercises import ExerciseFailed
 from utils.graders import lab00 as graders
 
@@ -57,13 +57,16 @@ GRADER = {
              ("return amount / (ms * 1e3) / unit", "ms is in milliseconds"),
              ("return (ms / 1e3) / amount / unit", "not seconds / amount"),
              ("return amount // (ms / 1e3) // unit", "// rounds down"),
-             ("return amount / (ms / 1e3) / unit if unit != 1e3 else 0", "rate\\(7, 0.5, 1000\\)")]),
+             ("return amount / (ms / 1e3) / unit if unit != 1e3 else 0", "rate\\(7, 0.5, 1000\\)"),
+             ("return 0", "(?s)^(?!.*//).*amount / seconds is the rate per second")]),
     "0.4": ("check_ridge_point", "ridge_point",
             ["return peak_tflops / peak_gbps * 1000", "return 1000 * peak_tflops / peak_gbps"],
             [("return peak_tflops / peak_gbps", "mind the factor 1000"),
              ("return peak_gbps * 1e9 / (peak_tflops * 1e12)", "not the other way round"),
              ("return peak_gbps / peak_tflops", "not the other way round; and TFLOP/s counts"),
              ("return peak_tflops * 1e12 // (peak_gbps * 1e9)", "// rounds down"),
+             # issue 46: a constant, a whole number everywhere, was blamed on //
+             ("return 1000", "(?s)^(?!.*//).*operations per second / bytes per second"),
              ("return peak_tflops / peak_gbps * 1e6", "mind the factor 1000")]),
     "0.5": ("check_roofline_tflops", "roofline_tflops",
             ["slope = intensity * peak_gbps / 1e3\nif slope < peak_tflops:\n    return slope\nreturn peak_tflops",
@@ -115,3 +118,43 @@ def test_the_lab_grades_answers_as_a_learner_runs_it(tmp_path, build_dir):
     assert "NOT DONE: exercise 0.2 " in text
     assert error is not None and error[0] == "ExerciseFailed" and "ms is in milliseconds" in error[1]
     assert [e for e, _ in errors(nb)] == ["ExerciseFailed"]
+
+
+def replay(fn):
+    """(recording, replaying), as a learner who kept the answers of an earlier grade would write them: `recording`
+    answers as fn does and keeps each answer under its inputs (a tensor's or an array's by its shape); `replaying`
+    answers from that table, with the last answer kept where it has none: a lookup table of the cases tried, or a
+    result cached across grades (the other labs' tests use it too)."""
+    table = {}
+    key = lambda args, kwargs: repr([tuple(a.shape) if hasattr(a, "shape") else a for a in args]
+                                    + sorted(kwargs.items()))
+
+    def recording(*args, **kwargs):
+        table[key(args, kwargs)] = out = fn(*args, **kwargs)
+        return out
+
+    def replaying(*args, **kwargs):
+        return table.get(key(args, kwargs), list(table.values())[-1])
+    return recording, replaying
+
+
+def grades_afresh(checker, fn, monkeypatch, capsys, *extra):
+    """What `checker` prints on a right answer, the same on every grade though each draws new inputs; an answer that
+    replays the answers of an earlier grade fails. Two seeds fixed ($COURSE_GRADE_SEED) keep the test reproducible."""
+    recording, replaying = replay(fn)
+    monkeypatch.setenv(grading_guard.SEED_VAR, "1")
+    checker(recording, *extra)
+    printed = capsys.readouterr().out
+    monkeypatch.setenv(grading_guard.SEED_VAR, "2")
+    with pytest.raises(ExerciseFailed):
+        checker(replaying, *extra)
+    capsys.readouterr()
+    checker(fn, *extra)
+    assert capsys.readouterr().out == printed and "PASS" in printed
+
+
+@pytest.mark.parametrize("exercise", GRADER)
+def test_every_grade_draws_fresh_hidden_cases(exercise, monkeypatch, capsys, build_dir):
+    """Issue 46: the shown cases are fixed (the stored output lists them), hidden ones are new on every grade."""
+    checker, name, _, _ = GRADER[exercise]
+    grades_afresh(getattr(graders, checker), getattr(solutions.load("00"), name), monkeypatch, capsys)

@@ -5,6 +5,7 @@ papermill)."""
 import pytest
 
 from grading import run_lab_with, stream_text
+from test_lab00 import grades_afresh
 from utils import solutions
 from utils.llm import models
 from utils.exercises import ExerciseFailed
@@ -210,10 +211,12 @@ return {"ttft": ttft, "tpot": (e2e - ttft) / (output_tokens - 1) if output_token
     (REFERENCE_METRICS.replace('{"ttft": ttft,', '{"ttft": torch.tensor(ttft),'), "return Python floats"),
     (REFERENCE_METRICS.replace(' if output_tokens > 1 else float("nan")', ""),
      "on a one-token answer .* your code raised ZeroDivisionError"),
+    # issue 46: an answer that writes into its input fails, naming it
+    ("chunks[:] = [c for c in chunks if c[1] > 0]\n" + REFERENCE_METRICS, "your code changed its input chunks"),
 ], ids=["per-chunk ITL", "role chunk as TTFT", "TPOT over N", "TPOT with TTFT", "chunk count",
         "one-token TPOT", "gap from an empty chunk", "a tuple", "TTFT in ms", "ITL in ms", "TTFT without start",
         "E2E to the usage chunk", "E2E from the first token", "first chunk skipped", "float32 tensor",
-        "one token divides by 0"])
+        "one token divides by 0", "filters chunks in place"])
 def test_request_metrics_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.4": answer})
     with pytest.raises(ExerciseFailed, match=hint if ".*" in hint else hint.replace("(", "\\(").replace(")", "\\)")):
@@ -302,13 +305,28 @@ def test_paged_attention_right_answers_pass(answer, capsys):
      "q a strided view .*\\(a strided view\\).* your code raised RuntimeError: view size is not compatible"),
     (REFERENCE_PAGED.replace("return out[:, :, 0]", "return out"), "the query axis of length 1 is still there"),
     ("return {}", "return a tensor of shape \\(B, Hq, D\\) = \\(3, 4, 64\\), got dict"),
+    # issue 46: q scaled in place was graded against a reference computed from the scaled q, and told to scale
+    # the scores; now it fails naming q
+    ("q *= q.shape[-1] ** -0.5\n" + REFERENCE_PAGED.replace("enable_gqa=True", "enable_gqa=True, scale=1.0"),
+     "^(?!.*scale the scores).*your code changed its input q: read the inputs"),
 ], ids=["no mask", "repeat not interleave", "no scale", "off by one", "identity", "wrong shape", "mask shape slip",
         "dtype slip", "float32 out", "<= length", "length - 1", "longest length", "slots before blocks",
-        "exp without max", "view of a strided q", "4-d out", "a dict"])
+        "exp without max", "view of a strided q", "4-d out", "a dict", "scales q in place"])
 def test_paged_attention_wrong_answers_fail_with_their_hint(answer, hint):
     m = lab({"5.5": answer})
     with pytest.raises(ExerciseFailed, match=hint):
         graders.check_paged_attention(m.paged_attention)
+
+
+@pytest.mark.parametrize("checker, fn", [("check_decode_ceiling", "decode_ceiling"),
+                                         ("check_kv_bytes_per_token", "kv_bytes_per_token"),
+                                         ("check_request_metrics", "request_metrics"),
+                                         ("check_paged_attention", "paged_attention")])
+def test_every_grade_draws_fresh_cases(ref, checker, fn, monkeypatch, capsys):
+    """Issue 46: beside the fixed cases, each grade draws new ones: an answer that replays an earlier grade's answers
+    (a lookup table of the cases tried) fails, and what a right answer prints stays the same. (5.3 is a prediction
+    of one number, against the lab's own table: no inputs to draw.)"""
+    grades_afresh(getattr(graders, checker), getattr(ref, fn), monkeypatch, capsys)
 
 
 def test_paged_inputs_scatter_blocks_and_count_bytes(ref):

@@ -17,6 +17,7 @@ import torch
 
 from conftest import DATA
 from grading import errors, run_lab_with, stream_text
+from test_lab00 import grades_afresh
 from utils import solutions
 from utils.base import processes
 from utils.multigpu import attribution, collectives, comm, launch, netns, oneshot, topology, tp
@@ -888,6 +889,12 @@ WRONG = [
      "collectives_per_token", "return a pair of numbers"),
     ("6.4", "return 2 * layers, hidden * dtype_bytes * layers", "check_collectives_per_token", "collectives_per_token",
      "each all-reduce carries one token's hidden vector"),
+    # issue 46: an answer that writes into its input fails at once, naming it
+    ("6.2", "rows = weight.shape[0] // world\nout = x @ weight[rank * rows:(rank + 1) * rows].T\nweight.zero_()\n"
+            "return out", "check_column_parallel", "column_parallel_linear",
+     "on x \\[1, 8\\] float64, weight \\[8, 8\\] float64, rank=0, world=2 your code changed its input weight"),
+    ("6.3", "cols = weight.shape[1] // world\nx_part *= 2\nreturn x_part @ weight[:, rank * cols:(rank + 1) * cols].T / 2",
+     "check_row_parallel", "row_parallel_linear", "your code changed its input x_part: read the inputs"),
 ]
 
 
@@ -896,6 +903,16 @@ def test_wrong_answers_fail_with_their_hint(exercise, code, checker, fn, hint):
     mod = load({exercise: code})
     with pytest.raises(ExerciseFailed, match=hint):
         getattr(graders, checker)(getattr(mod, fn))
+
+
+@pytest.mark.parametrize("checker, fn", [("check_bus_factor", "bus_factor"),
+                                         ("check_column_parallel", "column_parallel_linear"),
+                                         ("check_row_parallel", "row_parallel_linear"),
+                                         ("check_collectives_per_token", "collectives_per_token")])
+def test_every_grade_draws_fresh_cases(checker, fn, monkeypatch, capsys):
+    """Issue 46: beside the fixed cases, each grade draws new rank counts and sizes, without PASS lines of their own:
+    an answer that replays an earlier grade's answers fails, and what a right answer prints stays the same."""
+    grades_afresh(getattr(graders, checker), getattr(load(), fn), monkeypatch, capsys)
 
 
 def test_the_misleading_6_1_hints_are_gone():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grading import run_lab_with, stream_text
+from test_lab00 import grades_afresh
 from utils import simt, solutions
 from utils.clinic import divergence as dv, doctor, faults, traces
 from utils.exercises import ExerciseFailed
@@ -328,7 +329,10 @@ RUNNABLE_WRONG = [
     major = int(arch.split("_")[1][:-1])
     return doctor.runnable_target(arch, arch_list)""",
      r"on runnable_target\('gfx942', \[.*\]\) your code raised IndexError"),
-    ("    return [doctor.runnable_target(arch, arch_list)]", r"expected 'sm_90', got \['sm_90'\]"),
+    # issue 46: a list returned was told the case's rule ("an H100 with its own machine code") as if that were wrong
+    ("    return [doctor.runnable_target(arch, arch_list)]",
+     r"^(?!.*own machine code).*return one entry of arch_list \(a str\) or None, got \['sm_90'\]"),
+    ("    arch_list.sort()\n    return doctor.runnable_target(arch, arch_list)", "your code changed its input arch_list"),
 ]
 
 
@@ -358,7 +362,11 @@ CULPRIT_WRONG = [
      r"on culprit\(\[Row\(name='a'.*\], 0.002\) your code raised StopIteration"),
     ("""\
     return next((r for r in rows if r.isolated is not None and not r.isolated <= tol), None)""",
-     r"expected 'self_attn', got Row\(name='self_attn'"),
+     r"^(?!.*only because).*return the culprit's name \(row.name, a str\) or None, got Row\(name='self_attn'"),
+    ("""\
+    while rows and (rows[0].isolated is None or rows[0].isolated <= tol):
+        rows.pop(0)
+    return rows[0].name if rows else None""", "your code changed its input rows"),
     ("""\
     return next((r.name for r in rows if r.isolated is not None and not r.isolated < tol), None)""",
      "an error equal to the tolerance is within it"),
@@ -400,6 +408,10 @@ GEMV_WRONG = [
     ("""\
     rows = torch.as_strided(x, x.shape, (x.shape[1], 1))     # as a kernel that assumes contiguous rows reads x
     return (rows.float() @ weight.float().t()).to(x.dtype)""", "x here is a strided view"),
+    # issue 46: a result far from the product was told that its running sum loses bits
+    ("    return (2 * x.float() @ weight.float().t()).to(x.dtype)", "^(?!.*loses bits).*that is not x @ weight.T"),
+    ("    return (weight.float() @ x.float().t()).to(x.dtype)", r"got \(37, 1\) .*that is weight @ x.T"),
+    ("    return (x.float() @ weight.t_().float()).to(x.dtype)", "your code changed its input weight"),
 ]
 
 
@@ -444,6 +456,10 @@ MASK_WRONG = [
     ("""\
     return faults.causal(q_len, real.shape[-1])[None] & real[:, None, :]""",
      "expected a bool tensor of shape \\(3, 1, 9, 9\\), got torch.bool \\(3, 9, 9\\)"),
+    ("""\
+    keep = faults.keep_left_padded(real, q_len)
+    real.fill_(True)
+    return keep""", "on real \\[3, 9\\] bool, q_len=9 your code changed its input real"),
 ]
 
 
@@ -457,6 +473,7 @@ def test_grader_7_4(ref, tiny):
         wrong = _answers("7.4", "    from utils.clinic import faults\n" + code)
         with pytest.raises(ExerciseFailed, match=hint):
             graders.check_keep_mask(wrong.keep_mask)
+    assert torch.equal(graders.MASK_CASES[0][0], graders._padding([9, 6, 2], 9))   # the answer wrote into a copy
 
 
 def test_grader_7_4_also_runs_the_model(tiny, monkeypatch):
@@ -464,9 +481,19 @@ def test_grader_7_4_also_runs_the_model(tiny, monkeypatch):
     model, captured, tokens = tiny
     monkeypatch.setattr(graders, "MASK_CASES", [])
     monkeypatch.setattr(graders, "MORE_MASK_CASES", [])
+    monkeypatch.setattr(graders, "_fresh_mask_cases", lambda: [])
     with pytest.raises(ExerciseFailed, match="no module diverges"):
         graders.check_keep_mask(faults.keep_right_padded, model, captured, tokens, 6)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("checker, fn", [("check_runnable_target", "runnable_target"), ("check_culprit", "culprit"),
+                                         ("check_gemv", "gemv"), ("check_keep_mask", "keep_mask")])
+def test_every_grade_draws_fresh_cases(ref, checker, fn, monkeypatch, capsys):
+    """Issue 46: beside the fixed cases, each grade draws new ones, without PASS lines of their own: an answer that
+    replays an earlier grade's answers fails, and what a right answer prints stays the same. (7.5 is a prediction of
+    one name: no inputs to draw.)"""
+    grades_afresh(getattr(graders, checker), getattr(ref, fn), monkeypatch, capsys)
 
 
 def test_grader_7_5(ref, tiny):

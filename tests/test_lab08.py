@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grading import run_lab_with, stream_text
+from test_lab00 import grades_afresh
 from utils import blocks, solutions
 from utils.base.paths import REPO_ROOT
 from utils.exercises import ExerciseFailed
@@ -85,7 +86,7 @@ Q4_1_HEAD = ("d = data[:, 0:2].copy().view(np.float16).astype(np.float32)\n"
     (Q4_1_HEAD + "q = np.concatenate([data[:, 4:] & 15, data[:, 4:] >> 4], axis=1).astype(np.float32)\n"
      "return (d * q + m).ravel()", "one row of 32 weights per block"),
     (Q4_1_HEAD + "data[:, 0] = 0\nq = np.concatenate([data[:, 4:] & 15, data[:, 4:] >> 4], axis=1).astype(np.float32)\n"
-     "return d * q + m", "changed the blocks it was given"),
+     "return d * q + m", "changed its input data"),
 ], ids=["interleaved", "high first", "no minimum", "minus 8", "d and m swapped", "big-endian", "float64", "flat",
         "writes its input"])
 def test_dequantize_q4_1_wrong_answers_fail_with_their_hint(answer, hint):
@@ -133,6 +134,15 @@ def test_q4_1_without_its_minimum_gets_the_minimum_hint(ref):
     answer = GEMV_BODY + "acc += d * ((lo - ZERO) * x_lo[None, :] + (hi - ZERO) * x_hi[None, :])"
     with pytest.raises(ExerciseFailed, match="Q4_1 adds the block's minimum"):
         graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.BLOCKS)
+
+
+def test_q4_gemv_that_writes_into_x_fails_naming_it(ref):
+    def writes_x(w, x, qtype):
+        y = ref.q4_gemv(w, x, qtype=qtype)
+        x.zero_()
+        return y
+    with pytest.raises(ExerciseFailed, match="Q4_0 weights 1x32 .* your code changed its input x: read the inputs"):
+        graders.check_q4_gemv(writes_x, "cpu", ref.BLOCKS)
 
 
 def test_q4_gemv_refuses_what_it_cannot_read(ref):
@@ -185,13 +195,22 @@ KL = "(np.exp(lr) * (lr - lt)).sum(axis=1).mean()"
     (LOGP + f"return dict(ppl_ratio=1 / ({RATIO}), kl={KL}, top1=top1)", "not the other way round"),
     (LOGP + f"return dict(ppl_ratio=np.exp(-lt.max(1).mean()) / np.exp(-lr.max(1).mean()), kl={KL}, top1=top1)",
      "NEXT TOKEN"),
-    (LOGP + f"ref_logits -= 1\nreturn dict(ppl_ratio={RATIO}, kl={KL}, top1=top1)", "changed its inputs"),
+    (LOGP + f"ref_logits -= 1\nreturn dict(ppl_ratio={RATIO}, kl={KL}, top1=top1)", "changed its input ref_logits"),
     (LOGP + f"return ({RATIO}, {KL}, top1)", 'return a dict with "ppl_ratio"'),
 ], ids=["KL reversed", "KL of logits", "KL summed", "ratio inverted", "argmax not the next token",
         "writes its input", "a tuple"])
 def test_backend_stats_wrong_answers_fail_with_their_hint(answer, hint):
     with pytest.raises(ExerciseFailed, match=hint):
         graders.check_backend_stats(lab({"8.3": answer}).backend_stats)
+
+
+@pytest.mark.parametrize("checker, fn", [("check_dequantize_q4_1", "dequantize_q4_1"), ("check_q4_gemv", "q4_gemv"),
+                                         ("check_backend_stats", "backend_stats")])
+def test_every_grade_draws_fresh_inputs(ref, checker, fn, monkeypatch, capsys):
+    """Issue 46: each grade draws new blocks, vectors and logits: an answer that replays an earlier grade's answers
+    fails, and what a right answer prints stays the same."""
+    extra = ("cpu", ref.BLOCKS) if fn == "q4_gemv" else ()
+    grades_afresh(getattr(graders, checker), getattr(ref, fn), monkeypatch, capsys, *extra)
 
 
 def test_the_verdict_and_its_tolerance(ref):

@@ -1,7 +1,9 @@
 """Lab 00's graders: exercises 0.1-0.5 (a matmul's operations, an add's bytes, a rate, the ridge point, the roofline)."""
 import math
 import numbers
+import random
 
+from utils import grading_guard
 from utils.exercises import call_answer, check
 
 
@@ -16,6 +18,18 @@ def _call(name: str, f, args: tuple):
     if not _number(got):
         check(call, False, f"returned {got!r}: return one finite number")
     return got
+
+
+def _fresh(draw, n: int = 4) -> list[tuple]:
+    """`n` hidden cases drawn from a fresh seed (new on every grade, named in a failure's message): beside the
+    fixed cases, so that a table of the tried cases or a result kept from an earlier grade fails."""
+    rng = random.Random(grading_guard.fresh_seed())
+    return [draw(rng) for _ in range(n)]
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    """A value between low and high, evenly spread over the orders of magnitude, to 4 significant digits."""
+    return float(f"{math.exp(rng.uniform(math.log(low), math.log(high))):.4g}")
 
 
 def _close(a, b) -> bool:
@@ -41,9 +55,10 @@ def _report(i: int, shown: int, name: str, ok: bool, hint: str) -> None:
 
 
 def _integer_division(gots, wants) -> bool:
-    """Whether the answer looks floored (// somewhere) where the right value is not a whole number."""
+    """Whether the answer looks floored (// somewhere): a whole number where the right value is not one, and within 1
+    of the right value everywhere (a constant, or a wrong formula that happens to give whole numbers, is not)."""
     return any(g == math.floor(g) != w for g, w in zip(gots, wants)) and \
-        all(abs(g - w) <= max(1.0, abs(w)) * 1e-3 or g == math.floor(g) for g, w in zip(gots, wants))
+        all(abs(g - w) <= 1.0 + 1e-9 * abs(w) for g, w in zip(gots, wants))
 
 
 def _unit_ratio(gots, wants) -> float | None:
@@ -61,6 +76,7 @@ def _unit_ratio(gots, wants) -> float | None:
 
 def check_matmul_flops(f):
     cases = [(2, 3, 4), (64, 32, 16), (5, 7, 11), (1, 1, 1), (3, 1, 2), (1, 9, 6)]
+    cases += _fresh(lambda rng: tuple(rng.randint(1, 5000) for _ in "mnk"))
     gots = [_call("matmul_flops", f, case) for case in cases]
     wants = [2 * m * n * k for m, n, k in cases]
     known = _mistake(gots, cases, [
@@ -90,6 +106,7 @@ def check_matmul_flops(f):
 
 def check_add_bytes(f):
     cases = [(1000, 4), (7, 2), (1, 8), (4099, 2), (3, 1), (0, 4)]
+    cases += _fresh(lambda rng: (rng.randint(2, 10**9), rng.choice((1, 2, 4, 8))))
     gots = [_call("add_bytes", f, case) for case in cases]
     known = _mistake(gots, cases, [
         ("a and b are read, and c is written: three arrays move", lambda n, s: 2 * n * s),
@@ -110,6 +127,8 @@ def check_add_bytes(f):
 def check_rate(f):
     shown = [(12_000, 0.004, 1e9), (2 * 8192**3, 1.4, 1e12), (1, 1000.0, 1.0), (3 * 4 * 2**28, 1.07, 1e9)]
     cases = shown + [(5e8, 2.5, 1e9), (7, 0.5, 1e3), (3e15, 3.0, 1e12), (123_456, 0.25, 1e6)]
+    cases += _fresh(lambda rng: (_log_uniform(rng, 10, 1e13), _log_uniform(rng, 1e-3, 1e4),
+                                 rng.choice((1e6, 1e9, 1e12))))
     gots = [_call("rate", f, case) for case in cases]
     wants = [a / (ms / 1e3) / u for a, ms, u in cases]
     ms_hint = "ms is in milliseconds: the seconds are ms / 1e3"
@@ -140,6 +159,7 @@ def check_rate(f):
 def check_ridge_point(f):
     shown = [(989.0, 3350.0), (1307.4, 5300.0), (0.1, 20.0)]
     cases = shown + [(2.0, 1000.0), (67.0, 2039.0), (1.5, 50.0)]
+    cases += _fresh(lambda rng: (_log_uniform(rng, 0.05, 5000), _log_uniform(rng, 5, 20000)))
     gots = [_call("ridge_point", f, case) for case in cases]
     wants = [t * 1e12 / (g * 1e9) for t, g in cases]
     factor = "TFLOP/s counts 10^12 operations, GB/s 10^9 bytes: mind the factor 1000"
@@ -171,9 +191,11 @@ def check_roofline_tflops(f):
              (600.0, 989.0, 3350.0, "compute"),     # just above it
              (0.25, 2.0, 1000.0, "memory"),
              (40.0, 0.5, 2.0, "compute")]
+    slope = lambda i, g_: i * g_ * 1e9 / 1e12          # what memory allows, TFLOP/s
+    cases += [(i, t, g, "memory" if slope(i, g) < t else "compute") for i, t, g in _fresh(lambda rng: (
+        _log_uniform(rng, 0.01, 10000), _log_uniform(rng, 0.05, 5000), _log_uniform(rng, 5, 20000)))]
     args = [c[:3] for c in cases]
     gots = [_call("roofline_tflops", f, a) for a in args]
-    slope = lambda i, g_: i * g_ * 1e9 / 1e12          # what memory allows, TFLOP/s
     wants = [min(slope(i, g), t) for i, t, g in args]
     both = "take the lower of the two limits (the memory slope and the compute roof, both in TFLOP/s)"
     known = _mistake(gots, args, [

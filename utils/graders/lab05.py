@@ -5,7 +5,7 @@ import numbers
 import numpy as np
 import torch
 
-from utils import solutions
+from utils import grading_guard, solutions
 from utils.exercises import call_answer, check
 from utils.llm import loadgen, models
 
@@ -31,19 +31,30 @@ def _named(mistakes, got):
 DECODE_CASES = [(3350, 16e9), (5300, 141.1e9), (17.5, 0.54e9), (1, 1), (819.2, 3), (2039, 70.6e9)]
 
 
+def _fresh_rng() -> np.random.Generator:
+    """Random numbers for the cases drawn on every grade, beside the fixed ones (a table of the tried cases, or a
+    result kept from an earlier grade, fails); the seed is named in a failure's message (utils.grading_guard)."""
+    return np.random.default_rng(grading_guard.fresh_seed())
+
+
+def _fresh_decode_cases(n=4):
+    rng = _fresh_rng()
+    return [(round(float(rng.uniform(1, 8000)), 1), float(f"{rng.uniform(1e6, 2e11):.4g}")) for _ in range(n)]
+
+
 def check_decode_ceiling(f):
-    got = []
-    for bandwidth, nbytes in DECODE_CASES:
+    cases, got = DECODE_CASES + _fresh_decode_cases(), []
+    for bandwidth, nbytes in cases:
         value = call_answer("decode_ceiling", f, (bandwidth, nbytes), f"decode_ceiling({bandwidth}, {nbytes:g})")
         if _number(value) is None:
             check("decode_ceiling", False, f"decode_ceiling({bandwidth}, {nbytes:g}) should return a number of "
                                            f"tokens per second, got {value!r}")
         got.append(_number(value))
-    want = [bw * 1e9 / nb for bw, nb in DECODE_CASES]
+    want = [bw * 1e9 / nb for bw, nb in cases]
     if all(math.isclose(g, w, rel_tol=1e-9) for g, w in zip(got, want)):
         check("decode_ceiling", True, "")
         return
-    per = lambda fn: [fn(bw, nb) for bw, nb in DECODE_CASES]
+    per = lambda fn: [fn(bw, nb) for bw, nb in cases]
     mistakes = [
         ("GB/s means 1e9 bytes per second, not 2**30", per(lambda bw, nb: bw * 2**30 / nb)),
         ("GB/s means 1e9 bytes per second, not 1e6", per(lambda bw, nb: bw * 1e6 / nb)),
@@ -59,7 +70,7 @@ def check_decode_ceiling(f):
     ]
     why = _named(mistakes, got) or "not the tokens per second that this bandwidth allows"
     i = next(i for i, (g, w) in enumerate(zip(got, want)) if not math.isclose(g, w, rel_tol=1e-9))
-    bandwidth, nbytes = DECODE_CASES[i]
+    bandwidth, nbytes = cases[i]
     check("decode_ceiling", False, f"decode_ceiling({bandwidth}, {nbytes:g}) should be {want[i]:,.6g} tokens/s, "
                                    f"got {got[i]:,.6g}: {why}")
 
@@ -69,19 +80,25 @@ KV_CASES = [("Llama-3.1-8B in BF16", 32, 8, 128, 2), ("Llama-3.1-70B in BF16", 8
             ("an odd shape", 3, 1, 80, 2), ("a 4-bit cache (half a byte per number)", 5, 3, 96, 0.5)]
 
 
+def _fresh_kv_cases(n=3):
+    rng = _fresh_rng()
+    return [(f"a shape drawn at random ({i + 1})", int(rng.integers(1, 129)), int(rng.integers(1, 17)),
+             int(rng.choice([32, 48, 64, 80, 96, 128, 256])), float(rng.choice([0.5, 1, 2, 4]))) for i in range(n)]
+
+
 def check_kv_bytes_per_token(f):
-    got = []
-    for what, layers, kv_heads, head_dim, nbytes in KV_CASES:
+    cases, got = KV_CASES + _fresh_kv_cases(), []
+    for what, layers, kv_heads, head_dim, nbytes in cases:
         value = call_answer("kv_bytes_per_token", f, (layers, kv_heads, head_dim, nbytes),
                       f"kv_bytes_per_token({layers}, {kv_heads}, {head_dim}, {nbytes}) ({what})")
         if _number(value) is None:
             check("kv_bytes_per_token", False, f"{what}: return a number of bytes, got {value!r}")
         got.append(_number(value))
-    want = [2 * L * H * D * B for _, L, H, D, B in KV_CASES]
+    want = [2 * L * H * D * B for _, L, H, D, B in cases]
     if all(math.isclose(g, w, rel_tol=1e-12) for g, w in zip(got, want)):
         check("kv_bytes_per_token", True, "")
         return
-    per = lambda fn: [fn(L, H, D, B) for _, L, H, D, B in KV_CASES]
+    per = lambda fn: [fn(L, H, D, B) for _, L, H, D, B in cases]
     mistakes = [
         ("count both K and V", per(lambda L, H, D, B: L * H * D * B)),
         ("dtype_bytes is already in bytes, not bits", per(lambda L, H, D, B: 2 * L * H * D * B * 8)),
@@ -96,7 +113,7 @@ def check_kv_bytes_per_token(f):
     ]
     why = _named(mistakes, got) or "not the bytes one token's keys and values take"
     i = next(i for i, (g, w) in enumerate(zip(got, want)) if not math.isclose(g, w, rel_tol=1e-12))
-    what, layers, kv_heads, head_dim, nbytes = KV_CASES[i]
+    what, layers, kv_heads, head_dim, nbytes = cases[i]
     check("kv_bytes_per_token", False, f"{what} ({layers} layers, {kv_heads} KV heads of {head_dim}, {nbytes} "
                                        f"bytes per number) should give {want[i]:,.10g} bytes, got {got[i]:,.10g}: {why}")
 
@@ -139,6 +156,19 @@ PAGED_CASES = [   # (what, lengths, q_heads, kv_heads, head_dim, block, dtype, s
      True),
 ]
 POISON = 1e4
+PAGED_NAMES = ["q", "k_cache", "v_cache", "block_table", "seq_lens"]
+
+
+def _fresh_paged_cases(n=2):
+    """`n` cases of random shapes and lengths (float32, some poisoned, some with q a strided view), each with the
+    seed of its values."""
+    seed = grading_guard.fresh_seed()
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        hkv, block = int(rng.choice([1, 2, 4])), int(rng.choice([8, 16, 32]))
+        lengths = [int(v) for v in rng.integers(1, 4 * block, int(rng.integers(1, 6)))]
+        yield (f"random case {i + 1}", lengths, hkv * int(rng.choice([1, 2, 4])), hkv, int(rng.choice([16, 32, 64])),
+               block, torch.float32, 1, bool(rng.integers(2)), bool(rng.integers(2))), seed + i
 
 
 def _paged_inputs(lengths, hq, hkv, d, block, dtype, scale, poisoned, strided, device, seed):
@@ -188,11 +218,12 @@ def _describe(inputs):
 
 
 def check_paged_attention(f, device="cpu"):
-    for i, (what, lengths, hq, hkv, d, block, dtype, scale, poisoned, strided) in enumerate(PAGED_CASES):
-        inputs = _paged_inputs(lengths, hq, hkv, d, block, dtype, scale, poisoned, strided, device, seed=len(what) + i)
+    fixed = [(case, len(case[0]) + i) for i, case in enumerate(PAGED_CASES)]
+    for (what, lengths, hq, hkv, d, block, dtype, scale, poisoned, strided), seed in [*fixed, *_fresh_paged_cases()]:
+        inputs = _paged_inputs(lengths, hq, hkv, d, block, dtype, scale, poisoned, strided, device, seed=seed)
         q = inputs[0]
-        got = call_answer("paged_attention", f, inputs, f"{what} ({_describe(inputs)})")
         want = _attention(*inputs)
+        got = call_answer("paged_attention", f, inputs, f"{what} ({_describe(inputs)})", names=PAGED_NAMES)
         shape = (q.shape[0], q.shape[1], q.shape[2])
         if not isinstance(got, torch.Tensor):
             check("paged_attention", False, f"{what}: return a tensor of shape (B, Hq, D) = {shape}, got "
@@ -264,6 +295,7 @@ METRIC_CASES = [
 
 
 def _random_cases(seed=0, n=8):
+    """`n` random streams (the grader draws them from a fresh seed on every grade)."""
     rng = np.random.default_rng(seed)
     for i in range(n):
         start = float(1000 * rng.random())
@@ -334,11 +366,15 @@ def _why(key, got, start, chunks, end, n):
 
 
 def check_request_metrics(f):
-    for what, start, chunks, end, n in [*METRIC_CASES, *_random_cases()]:
+    for what, start, chunks, end, n in [*METRIC_CASES, *_random_cases(grading_guard.fresh_seed())]:
         want = loadgen.request_metrics(start, chunks, end, n)
         inputs = (f"{what} (start={start:g}, chunks={[(round(t, 4), k) for t, k in chunks]}, end={end:g}, "
                   f"output_tokens={n})")
-        got = call_answer("request_metrics", f, (start, list(chunks), end, n), inputs)
+        given = list(chunks)
+        got = call_answer("request_metrics", f, (start, given, end, n), inputs)
+        if given != chunks:
+            check("request_metrics", False, f"on {inputs} your code changed its input chunks: read the inputs, never "
+                                            "write into them (filter into a new list)")
         if not isinstance(got, dict) or not {"ttft", "tpot", "itl", "e2e"} <= set(got):
             check("request_metrics", False, f"return a dict with keys 'ttft', 'tpot', 'itl', 'e2e', got {got!r}")
         for key in ("ttft", "e2e", "tpot", "itl"):

@@ -1,8 +1,10 @@
 """Lab 07's graders: 7.1 which code a GPU runs, 7.2 the culprit, 7.3 a float32 GEMV, 7.4 a mask for left padding, 7.5 the prediction."""
 import math
+import random
 
 import torch
 
+from utils import grading_guard
 from utils.clinic import divergence, doctor, faults
 from utils.clinic.divergence import Row
 from utils.exercises import call_answer, check
@@ -12,6 +14,19 @@ def _quiet(name, ok, hint):
     """check() without its PASS line (for the cases the notebook's stored output does not list)."""
     if not ok:
         check(name, False, hint)
+
+
+def _fresh_rng() -> random.Random:
+    """Random cases drawn on every grade, beside the fixed ones, without PASS lines of their own (a table of the
+    tried cases, or a result kept from an earlier grade, fails); a failure names the seed (utils.grading_guard)."""
+    return random.Random(grading_guard.fresh_seed())
+
+
+def _left_alone(name, inputs, what, given, original):
+    """Fail an answer that changed a list it was given (call_answer sees to tensors)."""
+    if given != original:
+        check(name, False, f"on {inputs} your code changed its input {what}: read it, never write into it (sort or "
+                           "filter a copy)")
 
 
 def _kind(t):
@@ -47,13 +62,35 @@ MORE_RUNNABLE_CASES = [   # the other direction of each rule (checked without PA
 ]
 
 
+NVIDIA_GPUS = ["sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120"]
+NVIDIA_TARGETS = NVIDIA_GPUS + ["sm_90a", "sm_100a", "compute_70", "compute_80", "compute_86", "compute_90",
+                                "compute_100", "compute_120"]
+AMD_GPUS = sorted({"gfx908", "gfx90a", *(g for members in doctor.AMD_FAMILIES.values() for g in members)})
+AMD_TARGETS = AMD_GPUS + list(doctor.AMD_FAMILIES)
+
+
+def _fresh_runnable_cases(n=6):
+    """`n` GPUs, each with a random shuffled arch list of its vendor's targets: two thirds of them hold a target
+    that runs, the rest none."""
+    rng, cases = _fresh_rng(), []
+    while len(cases) < n:
+        gpus, targets = rng.choice([(NVIDIA_GPUS, NVIDIA_TARGETS), (AMD_GPUS, AMD_TARGETS)])
+        arch, archs = rng.choice(gpus), rng.sample(targets, rng.randint(1, 7))
+        if (doctor.runnable_target(arch, archs) is not None) == (len(cases) % 3 != 2):
+            cases.append((arch, archs, "an arch list drawn at random"))
+    return cases
+
+
 def check_runnable_target(fn) -> None:
     for (arch, archs, why), say in [*((case, check) for case in RUNNABLE_CASES),
-                                    *((case, _quiet) for case in MORE_RUNNABLE_CASES)]:
+                                    *((case, _quiet) for case in MORE_RUNNABLE_CASES + _fresh_runnable_cases())]:
         name = f"{arch} on [{' '.join(archs[:3])}{' ...' if len(archs) > 3 else ''}]"
-        want = doctor.runnable_target(arch, archs)
-        got = call_answer(name, fn, (arch, list(archs)), f"runnable_target({arch!r}, {archs})")
-        say(name, isinstance(got, (str, type(None))) and got == want, f"{why}: expected {want!r}, got {got!r}")
+        want, inputs, given = doctor.runnable_target(arch, archs), f"runnable_target({arch!r}, {archs})", list(archs)
+        got = call_answer(name, fn, (arch, given), inputs)
+        _left_alone(name, inputs, "arch_list", given, archs)
+        if not isinstance(got, (str, type(None))):
+            check(name, False, f"on {inputs}: return one entry of arch_list (a str) or None, got {got!r}")
+        say(name, got == want, f"{why}: expected {want!r}, got {got!r}")
 
 
 def _rows(*spec):
@@ -80,30 +117,59 @@ MORE_CULPRIT_CASES = [   # checked without PASS lines of their own
 ]
 
 
+def _fresh_culprit_cases(n=4):
+    """`n` random tables: errors around the tolerance, NaN, infinity and None among them; the culprit by the rule."""
+    rng, cases = _fresh_rng(), []
+    for _ in range(n):
+        tol = rng.choice([1e-3, 2e-3, 1e-2])
+        error = lambda: rng.choice([0.0, tol, tol / 2, tol * 1.5, rng.uniform(0, 4 * tol), math.nan, math.inf, None])
+        rows = _rows(*((name, rng.uniform(0, 1), error()) for name in rng.sample(
+            ["embed", "norm", "q_proj", "rotary", "attn", "o_proj", "mlp", "lm_head"], rng.randint(1, 6))))
+        want = next((r.name for r in rows if r.isolated is not None and not r.isolated <= tol), None)
+        cases.append((rows, tol, want, "a table drawn at random: the first module whose isolated error is above "
+                                       "the tolerance (NaN is), or None"))
+    return cases
+
+
 def check_culprit(fn) -> None:
     for (rows, tol, want, why), say in [*((case, check) for case in CULPRIT_CASES),
-                                        *((case, _quiet) for case in MORE_CULPRIT_CASES)]:
+                                        *((case, _quiet) for case in MORE_CULPRIT_CASES + _fresh_culprit_cases())]:
         name = f"culprit of [{', '.join(r.name for r in rows)}]"
-        got = call_answer(name, fn, (list(rows), tol), f"culprit({rows}, {tol})")
-        say(name, isinstance(got, (str, type(None))) and got == want, f"{why}: expected {want!r}, got {got!r}")
+        inputs, given = f"culprit({rows}, {tol})", list(rows)
+        got = call_answer(name, fn, (given, tol), inputs)
+        _left_alone(name, inputs, "rows", given, rows)
+        if not isinstance(got, (str, type(None))):
+            check(name, False, f"on {inputs}: return the culprit's name (row.name, a str) or None, got {got!r}")
+        say(name, got == want, f"{why}: expected {want!r}, got {got!r}")
+
+
+GEMV_CASES = [(1, 576, 37, 1.0, torch.bfloat16, False), (3, 1000, 9, 50.0, torch.bfloat16, False),   # the notebook
+              (2, 4097, 5, 1e3, torch.bfloat16, False), (2, 333, 11, 1.0, torch.float32, False)]    # lists these
+MORE_GEMV_CASES = [(4, 1500, 7, 1.0, torch.float16, False), (3, 700, 6, 2.0, torch.bfloat16, True),
+                   (1, 1, 1, 1.0, torch.float32, False)]
+
+
+def _gemv_inputs(g, rows, k, out, scale, dtype, strided, x_bias=0.0):
+    x = ((torch.randn(rows, k, generator=g) + x_bias) * scale).to(dtype)
+    w = (torch.randn(out, k, generator=g) + 0.5).to(dtype)     # a positive bias: the sum grows with k
+    if strided:   # rows of a (rows, 2, k) tensor: row stride 2k, what a reshape of a sliced input gives
+        x = torch.stack([x, torch.full_like(x, float("nan"))], dim=1)[:, 0]
+    return x, w
 
 
 def _gemv_cases():
     """(x, weight, shown): the four cases the notebook lists, then FP16, a strided x (as lm_head's input of the last
-    position is) and one row of one column, checked without PASS lines of their own."""
+    position is), one row of one column, and two of random sizes and values (x biased too: no sum cancels out to
+    nearly 0, where float32's own rounding would be a large relative error), without PASS lines of their own."""
     g = torch.Generator().manual_seed(7)
-    for rows, k, out, scale, dtype, strided in ((1, 576, 37, 1.0, torch.bfloat16, False),
-                                                (3, 1000, 9, 50.0, torch.bfloat16, False),
-                                                (2, 4097, 5, 1e3, torch.bfloat16, False),
-                                                (2, 333, 11, 1.0, torch.float32, False),
-                                                (4, 1500, 7, 1.0, torch.float16, False),
-                                                (3, 700, 6, 2.0, torch.bfloat16, True),
-                                                (1, 1, 1, 1.0, torch.float32, False)):
-        x = (torch.randn(rows, k, generator=g) * scale).to(dtype)
-        w = (torch.randn(out, k, generator=g) + 0.5).to(dtype)     # a positive bias: the sum grows with k
-        if strided:   # rows of a (rows, 2, k) tensor: row stride 2k, what a reshape of a sliced input gives
-            x = torch.stack([x, torch.full_like(x, float("nan"))], dim=1)[:, 0]
-        yield x, w, scale != 2.0 and dtype != torch.float16 and k > 1
+    for i, case in enumerate(GEMV_CASES + MORE_GEMV_CASES):
+        yield *_gemv_inputs(g, *case), i < len(GEMV_CASES)
+    rng = _fresh_rng()
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    for dtype, k in ((rng.choice([torch.bfloat16, torch.float16]), rng.randint(2, 2000)),
+                     (torch.float32, rng.randint(2, 300))):
+        yield *_gemv_inputs(g, rng.randint(1, 4), k, rng.randint(4, 16), rng.choice([1.0, 8.0]), dtype,
+                            rng.random() < 0.5, x_bias=0.5), False
 
 
 def _matmul_slip(exc):
@@ -124,21 +190,25 @@ def check_gemv(fn, model=None, captured=None, ref_tokens=None, new_tokens: int =
     for x, w, shown in _gemv_cases():
         say = check if shown else _quiet
         name = f"{tuple(x.shape)} @ {tuple(w.shape)}.T in {str(x.dtype).replace('torch.', '')}"
-        got = call_answer(name, fn, (x, w), f"x {_kind(x)}, weight {_kind(w)}", _matmul_slip)
+        exact = x.double() @ w.double().t()
+        got = call_answer(name, fn, (x, w), f"x {_kind(x)}, weight {_kind(w)}", _matmul_slip, names=["x", "weight"])
         if not isinstance(got, torch.Tensor):
             check(f"{name}: shape and dtype", False, f"return a tensor, got {type(got).__name__}")
-        if tuple(got.shape) != (x.shape[0], w.shape[0]) or got.dtype != x.dtype:
+        shape = (x.shape[0], w.shape[0])
+        if tuple(got.shape) != shape or got.dtype != x.dtype:
             check(f"{name}: shape and dtype", False,
-                  f"expected shape {(x.shape[0], w.shape[0])} in {x.dtype}, got {tuple(got.shape)} in {got.dtype}"
-                  + ("; return it in x's dtype (.to(x.dtype))" if tuple(got.shape) == (x.shape[0], w.shape[0]) else ""))
-        exact = x.double() @ w.double().t()
+                  f"expected shape {shape} in {x.dtype}, got {tuple(got.shape)} in {got.dtype}"
+                  + ("; return it in x's dtype (.to(x.dtype))" if tuple(got.shape) == shape else
+                     "; that is weight @ x.T: x @ weight.T is (rows, out)" if tuple(got.shape) == shape[::-1] else ""))
         rel = float(((got.double() - exact).norm(dim=1) / exact.norm(dim=1)).max())
         allowed = ALLOWED[x.dtype]
         say(f"{name}: within one rounding of the exact product", rel <= allowed,
             f"relative error {rel:.2e} > {allowed:.1e}" + (
                 ": x here is a strided view, and your result shows what lies between its rows (NaN): read x through "
                 "its strides (matmul, or .contiguous())" if not math.isfinite(rel) and not x.is_contiguous() else
-                ": the running sum loses bits (is it kept in bf16, or rounded every few products?)"))
+                ": the running sum loses bits (is it kept in bf16, or rounded every few products?)" if rel < 0.25 else
+                ": that is not x @ weight.T (out[r, o] = the sum over k of x[r, k] * weight[o, k]); an error this large "
+                "is no rounding"))
     if model is not None:
         handle = model.lm_head.register_forward_hook(faults.gemv_hook(fn))
         try:
@@ -171,12 +241,21 @@ MORE_MASK_CASES = [  # checked without PASS lines of their own
 ]
 
 
+def _fresh_mask_cases(n=2):
+    rng, cases = _fresh_rng(), []
+    for _ in range(n):
+        keys = rng.randint(2, 16)
+        cases.append((_padding([rng.randint(1, keys) for _ in range(rng.randint(1, 4))], keys), rng.randint(1, keys),
+                      "a batch drawn at random"))
+    return cases
+
+
 def check_keep_mask(fn, model=None, captured=None, ref_tokens=None, new_tokens: int = 8) -> None:
     for (real, q_len, what), say in [*((case, check) for case in MASK_CASES),
-                                     *((case, _quiet) for case in MORE_MASK_CASES)]:
+                                     *((case, _quiet) for case in MORE_MASK_CASES + _fresh_mask_cases())]:
         want = faults.keep_left_padded(real, q_len)
         name = f"{what}: lengths {real.sum(1).tolist()} of {real.shape[1]}, {q_len} queries"
-        got = call_answer(name, fn, (real.clone(), q_len), f"real {_kind(real)}, q_len={q_len}")
+        got = call_answer(name, fn, (real.clone(), q_len), f"real {_kind(real)}, q_len={q_len}", names=["real"])
         if not isinstance(got, torch.Tensor):
             check(f"{name}: shape", False, f"expected a bool tensor of shape {tuple(want.shape)}, got "
                                            f"{type(got).__name__}")

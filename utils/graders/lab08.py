@@ -43,11 +43,9 @@ def check_dequantize_q4_1(f):
     seed = grading_guard.fresh_seed()
     for n in (64, 7, 1):      # the most blocks first: every awkward one and random ones tell the mistakes apart
         data = blocks.random_blocks("Q4_1", n, seed=seed + n, awkward=True, scale=0.05)
-        given = data.copy()
-        got = call_answer("dequantize_q4_1", f, (given,), f"{n} Q4_1 block(s) (uint8, shape {data.shape}, seed {seed})")
-        if not np.array_equal(given, data):
-            check("dequantize_q4_1", False, "your function changed the blocks it was given: read them, never write")
         want = blocks.dequantize(data, "Q4_1")
+        got = call_answer("dequantize_q4_1", f, (data,), f"{n} Q4_1 block(s) (uint8, shape {data.shape})",
+                          names=["data"])
         if isinstance(got, torch.Tensor):
             got = got.detach().cpu().numpy()
         if not isinstance(got, np.ndarray):
@@ -64,7 +62,7 @@ def check_dequantize_q4_1(f):
         i, j = map(int, np.argwhere(got != want)[0])
         check("dequantize_q4_1", False, f"block {i} (bytes {data[i, :4].tolist()} then nibbles), weight {j}: "
                                         f"{want[i, j]!r} expected, got {got[i, j]!r}"
-                                        + (f": {why}" if why else f" (seed {seed})"))
+                                        + (f": {why}" if why else ""))
     check("dequantize_q4_1", True, "")
 
 
@@ -117,10 +115,8 @@ def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
             data = blocks.random_blocks(qtype, n * k // 32, seed=seed + n + k, awkward=n * k >= 2048).reshape(n, -1)
             x = torch.from_numpy(rng.standard_normal(k).astype(np.float32)).to(getattr(torch, dtype))
             w_t, x_t = torch.from_numpy(data.copy()).to(device), x.to(device)
-            what = f"{qtype} weights {n}x{k} (uint8 {tuple(w_t.shape)}), x {dtype} ({k},), seed {seed}"
-            y = call_answer("q4_gemv", lambda: q4_gemv(w_t, x_t, qtype=qtype), (), what)
-            if not torch.equal(w_t.cpu(), torch.from_numpy(data)) or not torch.equal(x_t.cpu(), x):
-                check("q4_gemv", False, f"{what}: an input changed: the kernel must only read the weights and x")
+            what = f"{qtype} weights {n}x{k} (uint8 {tuple(w_t.shape)}), x {dtype} ({k},)"
+            y = call_answer("q4_gemv", lambda w, x: q4_gemv(w, x, qtype=qtype), (w_t, x_t), what, names=["weights", "x"])
             if not isinstance(y, torch.Tensor) or tuple(y.shape) != (n,):
                 check("q4_gemv", False, f"{what}: expected a tensor of {n} outputs, got "
                                         f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
@@ -131,8 +127,11 @@ def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
             err = float(np.max(np.abs(got - want) / scale))
             if err < 1e-5:
                 continue
+            # a mistake's own terms can be far larger than the right ones (d * q - 8 is about -8): room for their
+            # float32 rounding too, or the mistake goes unnamed on some draws
+            room = scale + (8.0 if qtype == "Q4_0" else 0.0) * np.abs(xs).sum()
             why = next((hint for hint, wrong in _gemv_mistakes(data, xs, qtype, step_blocks)
-                        if np.max(np.abs(got - wrong) / scale) < 1e-5), None)
+                        if np.max(np.abs(got - wrong) / room) < 1e-5), None)
             check("q4_gemv", False, f"{what}: relative error {err:.2e} (tolerance 1e-5)" + (f": {why}" if why else ""))
     check("q4_gemv", True, "")
 
@@ -188,12 +187,11 @@ def check_backend_stats(f):
         ref = (rng.standard_normal((t, v)) * scale).astype(np.float32)
         test = (ref + rng.standard_normal((t, v)) * noise).astype(np.float32)
         cases.append((ref, test, rng.integers(0, v, t)))
+    graded = []        # (ref, what, the answer's figures, the right ones, the known mistakes' figures), per case
     for ref, test, tokens in cases:
-        what = f"logits of {ref.shape[0]} positions x {ref.shape[1]} tokens (scale {np.abs(ref).max():.3g}, seed {seed})"
-        given = [a.copy() for a in (ref, test, tokens)]
-        got = call_answer("backend_stats", f, tuple(given), what)
-        if any(not np.array_equal(g, a) for g, a in zip(given, (ref, test, tokens))):
-            check("backend_stats", False, f"{what}: your function changed its inputs: compute on copies")
+        what = f"logits of {ref.shape[0]} positions x {ref.shape[1]} tokens (scale {np.abs(ref).max():.3g})"
+        want = reference_stats(ref, test, tokens)
+        got = call_answer("backend_stats", f, (ref, test, tokens), what, names=["ref_logits", "test_logits", "tokens"])
         if not isinstance(got, dict) or not {"ppl_ratio", "kl", "top1"} <= set(got):
             check("backend_stats", False, f'return a dict with "ppl_ratio", "kl" and "top1"; got {got!r:.120}')
         values = {}
@@ -202,15 +200,19 @@ def check_backend_stats(f):
                 values[key] = float(got[key])
             except (TypeError, ValueError):
                 check("backend_stats", False, f"{key} must be a number, got {got[key]!r:.80}")
-        want = reference_stats(ref, test, tokens)
+        graded.append((ref, what, values, want, _stats_mistakes(ref, test, tokens)))
+    same = lambda a, b: all(math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-9) for k in b)
+    for ref, what, values, want, _ in graded:
         bad = [k for k in want if not math.isclose(values[k], want[k], rel_tol=1e-5, abs_tol=1e-9)]
         if not bad:
             continue
         if any(not math.isfinite(values[k]) for k in bad) and np.abs(ref).max() > 80:
             check("backend_stats", False, f"{what}: {', '.join(bad)} not finite: exp of logits near 90 overflows "
                                           "float32; subtract each row's maximum first (log-sum-exp)")
-        why = next((h for h, w in _stats_mistakes(ref, test, tokens)
-                    if all(math.isclose(values[k], w[k], rel_tol=1e-5, abs_tol=1e-9) for k in want)), None)
+        # a known mistake is named only when it gives the answer's figures on every case (near 1, one ratio can
+        # come close to another's inverse by chance)
+        why = next((hint for i, (hint, _) in enumerate(graded[0][4])
+                    if all(same(v, m[i][1]) for _, _, v, _, m in graded)), None)
         k = bad[0]
         check("backend_stats", False, f"{what}: {k} should be {want[k]:.6g}, got {values[k]:.6g}"
                                       + (f": {why}" if why else ""))

@@ -8,7 +8,8 @@ down (4096 x 14336) projections of enough layers to exceed four L2s, replayed fr
 bytes read / time, against a copy (read + write) and torch.sum (read only). On an H200 (2026-11-28) all three
 stayed near 0.3 of the copy bandwidth (best 0.99 TB/s against 2.7 TB/s copy, 4.3 TB/s read). Nsight Compute on the
 lab's kernel: L1/TEX throughput 75-80 %, DRAM about 10 % of a single launch's, 40 registers, 62 % occupancy: the loads
-of x and d for every byte, not memory, set the pace. Wide loads of the blocks and x and d once per block are next.
+of x and d for every byte, not memory, set the pace. `blocks3d` (added 2026-12-01, not yet run on a GPU) loads d and x
+once per block for all the rows of a program.
 """
 import itertools
 import json
@@ -100,6 +101,35 @@ def magic_bytes2(w_ptr, x_ptr, y_ptr, N, K, row_bytes, BLOCK_N: tl.constexpr, BL
     tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)
 
 
+@triton.jit
+def blocks3d(w_ptr, x_ptr, y_ptr, N, K, row_bytes, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+             STAGES: tl.constexpr = 1):
+    """A (rows, blocks, 16 bytes) tile: d loaded once per block and x once per block for all rows (not per byte),
+    each thread a few contiguous bytes of one block; not measured yet (the next GPU run)."""
+    BYTES: tl.constexpr = 18     # Q4_0: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+    ZERO: tl.constexpr = 8.0
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.arange(0, BLOCKS)
+    j = tl.arange(0, 16)
+    row_ok = rows < N
+    row_at = w_ptr + rows.to(tl.int64) * row_bytes
+    acc = tl.zeros([BLOCK_N, BLOCKS, 16], dtype=tl.float32)
+    for b0 in tl.range(0, K // 32, BLOCKS, num_stages=STAGES):
+        blk = b0 + b
+        live = blk < K // 32
+        ok = row_ok[:, None] & live[None, :]                          # (rows, blocks)
+        at = row_at[:, None] + blk[None, :] * BYTES                   # each block's first byte
+        d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+        q = tl.load(at[:, :, None] + (BYTES - 16) + j[None, None, :], mask=ok[:, :, None], other=0)
+        xat = x_ptr + blk[:, None] * 32 + j[None, :]
+        x_lo = tl.load(xat, mask=live[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xat + 16, mask=live[:, None], other=0.0).to(tl.float32)
+        lo = (q & 0xF).to(tl.float32)
+        hi = (q >> 4).to(tl.float32)
+        acc += d[:, :, None] * ((lo - ZERO) * x_lo[None, :, :] + (hi - ZERO) * x_hi[None, :, :])
+    tl.store(y_ptr + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=row_ok)
+
+
 N, K = 14336, 4096
 dev = "cuda"
 l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -150,7 +180,8 @@ lab_kernel = lab.q4_gemv_kernel
 CONFIGS = {lab_kernel: itertools.product((1, 2, 4, 8), (8, 16, 32), (4, 8)),
            magic_bytes: itertools.product((1, 2, 4, 8), (32, 64, 128), (2, 4, 8)),
            magic_bytes2: itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8)),
-           magic_words: itertools.product((2, 4, 8), (32, 64, 128), (2, 4, 8))}
+           magic_words: itertools.product((2, 4, 8), (32, 64, 128), (2, 4, 8)),
+           blocks3d: itertools.product((2, 4, 8, 16), (8, 16, 32), (2, 4, 8))}
 for kern in CONFIGS:
     out = torch.empty(N, device=dev)
     extra = {"HAS_MIN": False} if kern is lab_kernel else {}

@@ -261,8 +261,8 @@ class Lab:
                    if graders is not None and hasattr(graders, n)}
         replaced = grading_guard.replaced(checker, genuine)
         if replaced:
-            return self._fail(exercise, title, answer, f"{'; '.join(replaced)} in this kernel: restart the kernel "
-                              "and run the lab from the top (the grade is not given to a patched grader)")
+            raise self._failed(exercise, title, answer, f"{'; '.join(replaced)} in this kernel: restart the kernel "
+                               "and run the lab from the top (the grade is not given to a patched grader)")
         lambdas = {checker.__code__} if getattr(checker, "__name__", "") == "<lambda>" else set()
         printed, watch = io.StringIO(), grading_guard.Watch({Lab.reference.fget.__code__}, lambdas)
         limit = grading_guard.limit_seconds(_on_gpu(args))
@@ -271,15 +271,15 @@ class Lab:
                 checker(*args)
         except ExerciseFailed as exc:
             self._show(printed, failed=True)
-            raise self._failed(exercise, title, answer, str(exc), watch, seeds, prefix=False) from None
+            raise self._failed(exercise, title, answer, str(exc), watch.reached, seeds, prefix=False) from None
         except AssertionError as exc:           # a checker's own assert: the same verdict
             self._show(printed, failed=True)
-            raise self._failed(exercise, title, answer, f"exercise {exercise} ({title}): {exc}", watch, seeds,
+            raise self._failed(exercise, title, answer, f"exercise {exercise} ({title}): {exc}", watch.reached, seeds,
                                prefix=False) from None
         except grading_guard.TimeLimit as exc:
             self._show(printed, failed=True)
             raise self._failed(exercise, title, answer, f"{exc}; an answer that loops forever or waits on something "
-                               "that never comes ends this way", watch, seeds) from None
+                               "that never comes ends this way", watch.reached, seeds) from None
         except KeyboardInterrupt:
             self._show(printed, failed=True)
             raise
@@ -290,10 +290,10 @@ class Lab:
             self._show(printed, failed=True)   # a traceback is never a verdict: a hint that names it
             raise self._failed(exercise, title, answer, f"your code raised {type(exc).__name__}: {_first_line(exc)}"
                                f"{_where(exc)}; check the shapes, dtypes and devices it is given and what it returns",
-                               watch, seeds) from exc
+                               watch.reached, seeds) from exc
         if watch.reached:
             self._show(printed, failed=True)
-            return self._fail(exercise, title, answer, _reached_hint(watch.reached))
+            raise self._failed(exercise, title, answer, _reached_hint(watch.reached))
         self._show(printed, failed=False)
         self._set(exercise, title, "passed", answer)
         print(f"PASS: exercise {exercise} ({title})")
@@ -308,16 +308,14 @@ class Lab:
         if len(kept) < len(lines):
             print(f"({len(lines) - len(kept)} line(s) that read as a pass left out: this grade failed)")
 
-    def _failed(self, exercise, title, answer, message, watch, seeds, *, prefix=True) -> "ExerciseFailed":
+    def _failed(self, exercise, title, answer, message, reached=(), seeds=(), *, prefix=True) -> "ExerciseFailed":
+        """Record the exercise as failed; the ExerciseFailed to raise: `message`, with what the answer reached of the
+        course's answers and the seeds that drew its inputs."""
         self._set(exercise, title, "failed", answer)
-        if watch.reached:
-            message += "; and " + _reached_hint(watch.reached)
+        if reached:
+            message += "; and " + _reached_hint(reached)
         return ExerciseFailed((f"exercise {exercise} ({title}): " if prefix else "") + message
                               + grading_guard.reproduce_hint(seeds))
-
-    def _fail(self, exercise, title, answer, message) -> bool:
-        self._set(exercise, title, "failed", answer)
-        raise ExerciseFailed(f"exercise {exercise} ({title}): {message}")
 
     def speed(self, exercise: str, achieved: float | None, target: float | None, unit: str,
               *, reason: str = "") -> bool | None:

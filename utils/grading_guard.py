@@ -147,11 +147,7 @@ def _graders_of(checker) -> list:
 
 def _resolve(dotted: str):
     module, _, attr = dotted.rpartition(".")
-    owner = sys.modules.get(module)
-    if owner is None and "." in module:        # a class attribute: utils.exercises.Lab.grade
-        parent, _, cls = module.rpartition(".")
-        owner = getattr(sys.modules.get(parent), cls, None)
-    return getattr(owner, attr, None)
+    return getattr(sys.modules.get(module), attr, None)
 
 
 # --- fresh inputs, with the seed that draws them again ----------------------------------------------------------------

@@ -130,9 +130,96 @@ def blocks3d(w_ptr, x_ptr, y_ptr, N, K, row_bytes, BLOCK_N: tl.constexpr, BLOCKS
     tl.store(y_ptr + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=row_ok)
 
 
-N, K = 14336, 4096
-dev = "cuda"
-l2 = torch.cuda.get_device_properties(0).L2_cache_size
+
+@triton.jit
+def x_stream_kernel(x_ptr, xs_ptr, K, row_bytes, S, BYTES: tl.constexpr, OFF: tl.constexpr, BLOCK: tl.constexpr):
+    """xs[0, p], xs[1, p]: the x elements the low and high nibble of a row's byte p multiply (0 at scale bytes and
+    past the row's end), so the GEMV reads x at the same positions, and widths, as the weights."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = p // BYTES
+    o = p % BYTES
+    ok = (o >= OFF) & (p < row_bytes)
+    at = x_ptr + b * 32 + o - OFF
+    lo = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(at + 16, mask=ok, other=0.0).to(tl.float32)
+    tl.store(xs_ptr + p, lo, mask=p < S)
+    tl.store(xs_ptr + S + p, hi, mask=p < S)
+
+
+@triton.jit
+def stream_gemv(w_ptr, xs_ptr, y_ptr, N, row_bytes, S, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+                VECS: tl.constexpr, MAGIC: tl.constexpr = False, XB: tl.constexpr = False):
+    """Each row read as 16-byte vectors, in order; a vector's bytes belong to at most two blocks (A, then B)."""
+    BYTES: tl.constexpr = 20 if HAS_MIN else 18
+    ZERO: tl.constexpr = 0.0 if HAS_MIN else 8.0
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_at = w_ptr + rows.to(tl.int64) * row_bytes
+    v = tl.arange(0, VECS)
+    j = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, VECS], dtype=tl.float32)
+    nblk = row_bytes // BYTES
+    for p0 in range(0, S, VECS * 16):
+        start = p0 + v * 16                                    # (VECS,) first byte of each vector
+        pos = start[:, None] + j[None, :]                      # (VECS, 16)
+        blk_a = start // BYTES
+        cut = (blk_a + 1) * BYTES - start                      # bytes j >= cut belong to block B
+        in_b = j[None, :] >= cut[:, None]                      # (VECS, 16)
+        q = tl.load(row_at[:, None, None] + pos[None, :, :], mask=row_ok[:, None, None] & (pos < row_bytes)[None, :, :],
+                    other=0).to(tl.int32)
+        if XB:   # x loaded in the weights' own 3D shape (one layout, no conversion; a load per row)
+            xat = xs_ptr + pos[None, :, :] + 0 * rows[:, None, None]
+            x_lo3 = tl.load(xat)
+            x_hi3 = tl.load(xat + S)
+            x_lo = tl.load(xs_ptr + pos)
+            x_hi = tl.load(xs_ptr + S + pos)
+        else:
+            x_lo = tl.load(xs_ptr + pos)                       # zero at scale bytes and past the row
+            x_hi = tl.load(xs_ptr + S + pos)
+            x_lo3 = x_lo[None, :, :]
+            x_hi3 = x_hi[None, :, :]
+        if MAGIC:
+            lo = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            lo = (q & 0xF).to(tl.float32)
+            hi = (q >> 4).to(tl.float32)
+        part = lo * x_lo3 + hi * x_hi3  # (BLOCK_N, VECS, 16)
+        part_b = tl.sum(tl.where(in_b[None, :, :], part, 0.0), axis=2)
+        part_a = tl.sum(part, axis=2) - part_b
+        xsum = x_lo + x_hi
+        xsum_b = tl.sum(tl.where(in_b, xsum, 0.0), axis=1)    # (VECS,): row-independent
+        xsum_a = tl.sum(xsum, axis=1) - xsum_b
+        ok_a = row_ok[:, None] & (blk_a < nblk)[None, :]
+        ok_b = row_ok[:, None] & (blk_a + 1 < nblk)[None, :]
+        at_a = row_at[:, None] + (blk_a * BYTES)[None, :]
+        d_a = tl.load(at_a.to(tl.pointer_type(tl.float16)), mask=ok_a, other=0.0).to(tl.float32)
+        d_b = tl.load((at_a + BYTES).to(tl.pointer_type(tl.float16)), mask=ok_b, other=0.0).to(tl.float32)
+        acc += d_a * (part_a - ZERO * xsum_a[None, :]) + d_b * (part_b - ZERO * xsum_b[None, :])
+        if HAS_MIN:
+            m_a = tl.load((at_a + 2).to(tl.pointer_type(tl.float16)), mask=ok_a, other=0.0).to(tl.float32)
+            m_b = tl.load((at_a + BYTES + 2).to(tl.pointer_type(tl.float16)), mask=ok_b, other=0.0).to(tl.float32)
+            acc += m_a * xsum_a[None, :] + m_b * xsum_b[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+
+def stream_q4_gemv(w, x, out=None, *, has_min=False, block_n=4, vecs=8, num_warps=4, magic=False, xs=None):
+    BYTES, OFF = (20, 4) if has_min else (18, 2)
+    n, row_bytes = w.shape
+    S = triton.cdiv(row_bytes, vecs * 16) * vecs * 16
+    if xs is None:
+        xs = torch.empty(2 * S, device=x.device, dtype=torch.float32)
+    x_stream_kernel[(triton.cdiv(S, 1024),)](x, xs, x.shape[0], row_bytes, S, BYTES=BYTES, OFF=OFF, BLOCK=1024)
+    out = torch.empty(n, device=x.device, dtype=torch.float32) if out is None else out
+    stream_gemv[(triton.cdiv(n, block_n),)](w, xs, out, n, row_bytes, S, HAS_MIN=has_min, BLOCK_N=block_n,
+                                            VECS=vecs, MAGIC=magic, num_warps=num_warps)
+    return out
+
+
+SMOKE = os.environ.get("TRITON_INTERPRET") == "1"     # a check of this script on a CPU: tiny shapes, no timing
+N, K = (64, 256) if SMOKE else (14336, 4096)
+dev = "cpu" if SMOKE else "cuda"
+l2 = 0 if SMOKE else torch.cuda.get_device_properties(0).L2_cache_size
 layer = blocks.Q4_0.row_bytes(K) * N + blocks.Q4_0.row_bytes(N) * K
 LAYERS = max(2, -(-4 * l2 // layer))
 up = [torch.from_numpy(blocks.random_blocks("Q4_0", N * K // 32, seed=i)).reshape(N, -1).to(dev) for i in range(LAYERS)]
@@ -141,6 +228,10 @@ x, h, y = torch.randn(K, device=dev), torch.empty(N, device=dev), torch.empty(K,
 
 
 def timed(fn, calls=LAYERS, reps=20):
+    """Median ms per call of `fn`, `calls` calls replayed from one CUDA graph (no launch overhead from Python)."""
+    if SMOKE:
+        fn()
+        return 1.0
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -162,13 +253,14 @@ def timed(fn, calls=LAYERS, reps=20):
     return sorted(ts)[len(ts) // 2]
 
 
-src = torch.ones(1 << 28, device=dev)
+src = torch.ones(1 << (10 if SMOKE else 28), device=dev)
 dst = torch.empty_like(src)
 copy = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), calls=4) / 1e6
 read = src.numel() * 4 / timed(lambda: src.sum(), calls=4) / 1e6
-print(f"{torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, read-only (sum) {read:,.0f} GB/s; {LAYERS} layers")
-w = blocks.decode(up[0].cpu().numpy(), "Q4_0")
-want = torch.from_numpy(w).double() @ x.double().cpu()
+del src, dst
+print(f"{'CPU smoke run' if SMOKE else torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, read-only (sum) {read:,.0f} GB/s; {LAYERS} layers "
+      f"({LAYERS * layer / 2**20:,.0f} MiB of Q4_0) against an L2 of {l2 / 2**20:,.0f} MiB", flush=True)
+want = torch.from_numpy(blocks.decode(up[0].cpu().numpy(), "Q4_0")).double() @ x.double().cpu()
 cells = json.load(open("solutions/08_quantized_inference.ipynb"))["cells"]     # the lab's kernel cell, as JSON
 code = next("".join(c["source"]) for c in cells if "def q4_gemv_kernel" in "".join(c["source"]))
 os.makedirs("build", exist_ok=True)
@@ -177,29 +269,95 @@ with open("build/lab08_kernel.py", "w") as f:      # a real file: Triton reads a
 lab = types.ModuleType("lab08")
 exec(compile(code, "build/lab08_kernel.py", "exec"), lab.__dict__)
 lab_kernel = lab.q4_gemv_kernel
-CONFIGS = {lab_kernel: itertools.product((1, 2, 4, 8), (8, 16, 32), (4, 8)),
-           magic_bytes: itertools.product((1, 2, 4, 8), (32, 64, 128), (2, 4, 8)),
-           magic_bytes2: itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4, 8)),
-           magic_words: itertools.product((2, 4, 8), (32, 64, 128), (2, 4, 8)),
-           blocks3d: itertools.product((2, 4, 8, 16), (8, 16, 32), (2, 4, 8))}
-for kern in CONFIGS:
+
+
+def gemv_of(kern, bn, bs, nw, extra):
+    """y = W @ x with one of the one-kernel variants (the lab's, blocks3d, magic_*)."""
+    def run(wt, a, o):
+        kern[(triton.cdiv(wt.shape[0], bn),)](wt, a, o, wt.shape[0], a.shape[0], wt.shape[1], BLOCK_N=bn, BLOCKS=bs,
+                                               num_warps=nw, **extra)
+    return run
+
+
+def stream_of(bn, vecs, nw, magic, xb):
+    """y = W @ x with the stream variant: x laid out along the row's bytes (one small kernel), then the GEMV."""
+    bufs = {}
+
+    def run(wt, a, o):
+        if wt.shape[1] not in bufs:
+            bufs[wt.shape[1]] = torch.empty(2 * triton.cdiv(wt.shape[1], vecs * 16) * vecs * 16, device=dev)
+        xs = bufs[wt.shape[1]]
+        S = xs.numel() // 2
+        x_stream_kernel[(triton.cdiv(S, 1024),)](a, xs, a.shape[0], wt.shape[1], S, BYTES=18, OFF=2, BLOCK=1024)
+        stream_gemv[(triton.cdiv(wt.shape[0], bn),)](wt, xs, o, wt.shape[0], wt.shape[1], S, HAS_MIN=False,
+                                                     BLOCK_N=bn, VECS=vecs, MAGIC=magic, XB=xb, num_warps=nw)
+    return run
+
+
+def measure(name, gemv, cfg):
     out = torch.empty(N, device=dev)
-    extra = {"HAS_MIN": False} if kern is lab_kernel else {}
-    kern[(N // 4,)](up[0], x, out, N, K, up[0].shape[1], BLOCK_N=4, BLOCKS=8, **extra)
-    print(kern.fn.__name__, "error", ((out.double().cpu() - want).abs().max() / want.abs().max()).item())
-    best = (0,)
-    for bn, bs, nw in CONFIGS[kern]:
+    try:
+        gemv(up[0], x, out)
+        err = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
+        if not err < 1e-4:
+            print(name, cfg, f"WRONG: relative error {err:.2e}", flush=True)
+            return None
         turn = itertools.count()
 
         def mlp():
             i = next(turn) % LAYERS
-            for wt, a, o in ((up[i], x, h), (down[i], h, y)):
-                kern[(triton.cdiv(wt.shape[0], bn),)](wt, a, o, wt.shape[0], a.shape[0], wt.shape[1], BLOCK_N=bn,
-                                                       BLOCKS=bs, num_warps=nw, **extra)
-        try:
-            gbps = layer / timed(mlp) / 1e6
-        except Exception as err:
-            print(kern.fn.__name__, bn, bs, nw, "failed", str(err).splitlines()[0][:60])
-            continue
-        best = max(best, (gbps, bn, bs, nw))
-    print(kern.fn.__name__, "best", best, f"= {best[0] / copy:.2f} of copy, {best[0] / read:.2f} of read-only", flush=True)
+            gemv(up[i], x, h)
+            gemv(down[i], h, y)
+        return layer / timed(mlp) / 1e6
+    except Exception as err:  # noqa: BLE001 - a config the compiler refuses is skipped, named
+        print(name, cfg, "failed", str(err).strip().splitlines()[-1][:100], flush=True)
+        return None
+
+
+results = []
+only = os.environ.get("VARIANTS", "lab,blocks3d,stream").split(",")
+sweeps = {"lab": (lab_kernel, itertools.product((2, 4, 8), (8, 16), (4, 8)), {"HAS_MIN": False}),
+          "blocks3d": (blocks3d, itertools.product((4, 8, 16), (8, 16, 32), (2, 4)), {}),
+          "magic_bytes": (magic_bytes, itertools.product((2, 4, 8), (32, 64), (4, 8)), {}),
+          "magic_words": (magic_words, itertools.product((4, 8), (32, 64), (4, 8)), {})}
+for name in [n for n in sweeps if n in only]:
+    kern, configs, extra = sweeps[name]
+    best = (0,)
+    for cfg in configs:
+        gbps = measure(name, gemv_of(kern, *cfg, extra), cfg)
+        if gbps:
+            best = max(best, (gbps, cfg))
+            results.append((gbps, name, cfg))
+    print(f"{name:<12} best {best[0]:7,.0f} GB/s = {best[0] / copy:.2f} of copy, {best[0] / read:.2f} of read "
+          f"(BLOCK_N, BLOCKS, warps) = {best[1:]}", flush=True)
+if "stream" in only:
+    stage1 = []
+    for bn, vecs, nw in itertools.product((1, 2, 4, 8, 16, 32), (2, 4, 8, 16, 32), (1, 2, 4, 8)):
+        if 32 * nw <= bn * vecs <= 32 * nw * 8:
+            gbps = measure("stream", stream_of(bn, vecs, nw, True, False), (bn, vecs, nw, "magic"))
+            if gbps:
+                stage1.append((gbps, (bn, vecs, nw)))
+    stage1.sort(reverse=True)
+    print("stream, magic conversion, x in its own layout: top 8:",
+          ", ".join(f"{g:,.0f} GB/s {c}" for g, c in stage1[:8]), flush=True)
+    for gbps, cfg in stage1[:5]:
+        results.append((gbps, "stream magic", cfg))
+        for magic, xb in ((False, False), (True, True), (False, True)):
+            g = measure("stream", stream_of(*cfg, magic, xb), cfg + (magic, xb))
+            if g:
+                results.append((g, f"stream {'magic' if magic else 'cvt'}{' x-3d' if xb else ''}", cfg))
+results.sort(reverse=True)
+print("\nbest ten of every variant (GB/s of Q4_0 bytes read, Llama-3.1-8B MLP up + down, batch 1):")
+for gbps, name, cfg in results[:10]:
+    print(f"  {gbps:7,.0f} GB/s = {gbps / copy:.2f} of copy, {gbps / read:.2f} of read  {name} {cfg}")
+if results and results[0][1].startswith("stream"):
+    gbps, name, cfg = results[0]
+    bn, vecs, nw = cfg[:3]
+    magic, xb = "magic" in name, "x-3d" in name
+    run = stream_of(bn, vecs, nw, magic, xb)
+    xs = torch.empty(2 * triton.cdiv(up[0].shape[1], vecs * 16) * vecs * 16, device=dev)
+    S = xs.numel() // 2
+    t_x = timed(lambda: x_stream_kernel[(triton.cdiv(S, 1024),)](x, xs, K, up[0].shape[1], S, BYTES=18, OFF=2,
+                                                                   BLOCK=1024), calls=8)
+    print(f"the x-stream kernel alone (K={K}): {t_x * 1e3:.1f} us a call; per layer two of them, "
+          f"{2 * t_x * 1e3:.1f} us of the layer's {layer / gbps / 1e3:.1f} us")

@@ -216,6 +216,104 @@ def stream_q4_gemv(w, x, out=None, *, has_min=False, block_n=4, vecs=8, num_warp
     return out
 
 
+
+@triton.jit
+def dot4(a, b, c, DOT4: tl.constexpr):
+    """c + the dot product of a's and b's four signed bytes (int32 each): one instruction on a GPU."""
+    if DOT4 == "ptx":
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    elif DOT4 == "amdgcn":
+        return tl.inline_asm_elementwise("v_dot4_i32_i8 $0, $1, $2, $3", "=v,v,v,v", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def quantize_x_kernel(x_ptr, xq_ptr, dx_ptr, K, S, BYTES: tl.constexpr, OFF: tl.constexpr, G: tl.constexpr):
+    """x in blocks of 32 -> int8 (scale dx = max|x| / 127 per block), laid out along a row's bytes: xq[p] is the x of
+    the low nibble of byte p, xq[S + p] the high nibble's (the positions of scales stay 0)."""
+    b = tl.program_id(0) * G + tl.arange(0, G)
+    j = tl.arange(0, 32)
+    ok = (b < K // 32)[:, None]
+    xv = tl.load(x_ptr + b[:, None] * 32 + j[None, :], mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(xv), axis=1)
+    dx = amax / 127.0
+    v = xv / tl.where(dx > 0, dx, 1.0)[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int8)
+    tl.store(dx_ptr + b, dx, mask=b < K // 32)
+    at = b[:, None] * BYTES + OFF + (j % 16)[None, :] + (j // 16)[None, :] * S
+    tl.store(xq_ptr + at, q, mask=ok)
+
+
+@triton.jit
+def dp4a_gemv(w_ptr, xq_ptr, dx_ptr, y_ptr, N, row_bytes, row_units, S, HAS_MIN: tl.constexpr, WORDS: tl.constexpr,
+              BLOCK_N: tl.constexpr, VECS: tl.constexpr, DOT4: tl.constexpr, XB: tl.constexpr = False,
+              STAGES: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
+    """Each row as 16-byte vectors of four 32-bit words; a word's nibbles all belong to one block, a vector's to at
+    most two (A, then B); per word two integer dot products of 4 nibbles with 4 bytes of x. WORDS: rows are whole
+    32-bit words (row_units = row_bytes / 4); else 16-bit halves put together (row_units = row_bytes / 2)."""
+    BYTES: tl.constexpr = 20 if HAS_MIN else 18
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    v = tl.arange(0, VECS)
+    i = tl.arange(0, 4)
+    nblk = row_bytes // BYTES
+    acc = tl.zeros([BLOCK_N, VECS], dtype=tl.float32)
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
+    for w0 in tl.range(0, S // 4, VECS * 4, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        wi = w0 + v[:, None] * 4 + i[None, :]                          # (VECS, 4): word index along the row
+        live = (wi * 4 < row_bytes)[None, :, :] & row_ok[:, None, None]
+        if WORDS:
+            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None, None] * row_units
+                           + wi[None, :, :], mask=live, other=0)
+        else:
+            at = w_ptr.to(tl.pointer_type(tl.int16)) + rows.to(tl.int64)[:, None, None] * row_units + 2 * wi[None, :, :]
+            lo16 = tl.load(at, mask=live, other=0).to(tl.int32)
+            hi16 = tl.load(at + 1, mask=live, other=0).to(tl.int32)
+            word = (lo16 & 0xFFFF) | (hi16 << 16)
+        x_lo = tl.load(xq32 + wi)                                       # 4 int8 x per word, low nibbles'
+        x_hi = tl.load(xq32 + S // 4 + wi)
+        if XB:    # x loaded again in the words' own shape: no layout conversion, a load per row
+            x_lo3 = tl.load(xq32 + wi[None, :, :] + 0 * rows[:, None, None])
+            x_hi3 = tl.load(xq32 + S // 4 + wi[None, :, :] + 0 * rows[:, None, None])
+        else:
+            x_lo3 = x_lo[None, :, :]
+            x_hi3 = x_hi[None, :, :]
+        dots = dot4(word & 0x0F0F0F0F, x_lo3, tl.zeros_like(word), DOT4)
+        dots = dot4((word >> 4) & 0x0F0F0F0F, x_hi3, dots, DOT4)
+        sx = dot4(x_lo, 0x01010101 + tl.zeros_like(x_lo), tl.zeros_like(x_lo), DOT4)
+        sx = dot4(x_hi, 0x01010101 + tl.zeros_like(x_hi), sx, DOT4)     # (VECS, 4): the sum of the word's x
+        start = (w0 + v * 4) * 4                                         # (VECS,) each vector's first byte
+        blk_a = start // BYTES
+        in_b = (wi * 4) >= (blk_a + 1)[:, None] * BYTES                 # (VECS, 4): the word is in block B
+        dot_b = tl.sum(tl.where(in_b[None, :, :], dots, 0), axis=2)
+        dot_a = tl.sum(dots, axis=2) - dot_b
+        sx_b = tl.sum(tl.where(in_b, sx, 0), axis=1)
+        sx_a = tl.sum(sx, axis=1) - sx_b
+        ok_a = blk_a < nblk
+        ok_b = blk_a + 1 < nblk
+        dx_a = tl.load(dx_ptr + blk_a, mask=ok_a, other=0.0)
+        dx_b = tl.load(dx_ptr + blk_a + 1, mask=ok_b, other=0.0)
+        at_a = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + (blk_a * BYTES)[None, :]
+        m_ok_a = row_ok[:, None] & ok_a[None, :]
+        m_ok_b = row_ok[:, None] & ok_b[None, :]
+        d_a = tl.load(at_a.to(tl.pointer_type(tl.float16)), mask=m_ok_a, other=0.0).to(tl.float32)
+        d_b = tl.load((at_a + BYTES).to(tl.pointer_type(tl.float16)), mask=m_ok_b, other=0.0).to(tl.float32)
+        if HAS_MIN:      # w = d q + m: sum d q x + m sum x
+            m_a = tl.load((at_a + 2).to(tl.pointer_type(tl.float16)), mask=m_ok_a, other=0.0).to(tl.float32)
+            m_b = tl.load((at_a + BYTES + 2).to(tl.pointer_type(tl.float16)), mask=m_ok_b, other=0.0).to(tl.float32)
+            acc += (dx_a[None, :] * (d_a * dot_a.to(tl.float32) + m_a * sx_a.to(tl.float32)[None, :])
+                    + dx_b[None, :] * (d_b * dot_b.to(tl.float32) + m_b * sx_b.to(tl.float32)[None, :]))
+        else:            # w = d (q - 8)
+            acc += (dx_a[None, :] * d_a * (dot_a - 8 * sx_a[None, :]).to(tl.float32)
+                    + dx_b[None, :] * d_b * (dot_b - 8 * sx_b[None, :]).to(tl.float32))
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+
 SMOKE = os.environ.get("TRITON_INTERPRET") == "1"     # a check of this script on a CPU: tiny shapes, no timing
 N, K = (64, 256) if SMOKE else (14336, 4096)
 dev = "cpu" if SMOKE else "cuda"
@@ -294,12 +392,36 @@ def stream_of(bn, vecs, nw, magic, xb):
     return run
 
 
-def measure(name, gemv, cfg):
+def dp4a_of(bn, vecs, nw, xb=False, quantize=True, stages=1, unroll=1, g=16, qwarps=4):
+    """y = W @ x with x quantized to int8 per 32 (llama.cpp's Q8 activations), then integer dot products."""
+    bufs = {}
+    kind = "none" if SMOKE else ("amdgcn" if torch.version.hip else "ptx")
+
+    def run(wt, a, o):
+        row_bytes = wt.shape[1]
+        S = triton.cdiv(row_bytes, vecs * 16) * vecs * 16
+        if row_bytes not in bufs:
+            bufs[row_bytes] = (torch.zeros(2 * S, device=dev, dtype=torch.int8),
+                               torch.empty(a.shape[0] // 32, device=dev))
+        xq, dx = bufs[row_bytes]
+        if quantize or not getattr(run, "ready", {}).get(row_bytes):
+            quantize_x_kernel[(triton.cdiv(a.shape[0] // 32, g),)](a, xq, dx, a.shape[0], S, BYTES=18, OFF=2, G=g,
+                                                                   num_warps=qwarps)
+            run.ready = {**getattr(run, "ready", {}), row_bytes: True}
+        words = row_bytes % 4 == 0
+        dp4a_gemv[(triton.cdiv(wt.shape[0], bn),)](wt, xq, dx, o, wt.shape[0], row_bytes,
+                                                   row_bytes // (4 if words else 2), S, HAS_MIN=False, WORDS=words,
+                                                   BLOCK_N=bn, VECS=vecs, DOT4=kind, XB=xb, STAGES=stages,
+                                                   UNROLL=unroll, num_warps=nw)
+    return run
+
+
+def measure(name, gemv, cfg, tol=1e-4):
     out = torch.empty(N, device=dev)
     try:
         gemv(up[0], x, out)
         err = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
-        if not err < 1e-4:
+        if not err < tol:
             print(name, cfg, f"WRONG: relative error {err:.2e}", flush=True)
             return None
         turn = itertools.count()
@@ -346,6 +468,47 @@ if "stream" in only:
             g = measure("stream", stream_of(*cfg, magic, xb), cfg + (magic, xb))
             if g:
                 results.append((g, f"stream {'magic' if magic else 'cvt'}{' x-3d' if xb else ''}", cfg))
+if "dp4a" in only:      # x quantized to int8: its error against the exact product is that of the quantization
+    stage1 = []
+    for bn, vecs, nw, xb in itertools.product((1, 2), (16, 32, 64, 128), (1, 2, 4), (False, True)):
+        if 32 * nw <= bn * vecs <= 32 * nw * 8:
+            gbps = measure("dp4a", dp4a_of(bn, vecs, nw, xb), (bn, vecs, nw, xb), tol=2e-2)
+            if gbps:
+                stage1.append((gbps, (bn, vecs, nw, xb)))
+                results.append((gbps, "dp4a", (bn, vecs, nw, xb)))
+    stage1.sort(reverse=True)
+    print("dp4a, top 8:", ", ".join(f"{g:,.0f} GB/s {c}" for g, c in stage1[:8]), flush=True)
+    for gbps, cfg in stage1[:3]:   # the same without quantizing x each call: what the small kernel costs
+        g = measure("dp4a", dp4a_of(*cfg, quantize=False), cfg, tol=2e-2)
+        print(f"  {cfg}: {gbps:,.0f} GB/s with x quantized each call, {g or 0:,.0f} GB/s without", flush=True)
+    stage2 = []
+    for cfg in [c for _, c in stage1[:4]]:  # stage 2: the quantizer's grid, the loop's pipelining and unrolling
+        for g, qw, stages, unroll in itertools.product((1, 4, 16), (1, 4), (1, 2, 3), (1, 2)):
+            if (g, qw) == (16, 1):
+                continue
+            gbps = measure("dp4a", dp4a_of(*cfg, stages=stages, unroll=unroll, g=g, qwarps=qw), cfg, tol=2e-2)
+            if gbps:
+                stage2.append((gbps, cfg, (g, qw, stages, unroll)))
+                results.append((gbps, f"dp4a quantizer G={g} warps={qw}, stages={stages}, unroll={unroll}", cfg))
+    stage2.sort(reverse=True)
+    print("dp4a stage 2, top 6:", ", ".join(f"{g:,.0f} GB/s {c} (G, qwarps, stages, unroll)={o}"
+                                           for g, c, o in stage2[:6]), flush=True)
+if "stream1" in only:   # the stream variant's best config of the first H200 run (2026-12-02), for comparison
+    g = measure("stream", stream_of(4, 32, 4, False, False), (4, 32, 4))
+    results.append((g or 0, "stream cvt", (4, 32, 4)))
+if "bf16" in only:      # torch.mv (cuBLAS) on BF16 weights, the same rotation and graph
+    up16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    down16 = [torch.randn(K, N, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    x16, h16 = x.bfloat16(), torch.empty(N, device=dev, dtype=torch.bfloat16)
+    turn16 = itertools.count()
+
+    def mlp16():
+        i = next(turn16) % LAYERS
+        torch.mv(up16[i], x16, out=h16)
+        torch.mv(down16[i], h16)
+    g16 = 2 * N * K * 2 / timed(mlp16) / 1e6
+    print(f"torch.mv (bf16, cuBLAS): {g16:,.0f} GB/s = {g16 / copy:.2f} of copy, {g16 / read:.2f} of read", flush=True)
+    del up16, down16
 results.sort(reverse=True)
 print("\nbest ten of every variant (GB/s of Q4_0 bytes read, Llama-3.1-8B MLP up + down, batch 1):")
 for gbps, name, cfg in results[:10]:

@@ -1,6 +1,9 @@
 """Lab 08: q4_gemv's ways to turn nibbles into floats (GPU), at the Llama-3.1-8B MLP shape over more than L2.
 
-    python bench/lab08_q4_variants.py      # the lab's kernel (solutions/08) and two variants, each over a tile sweep
+    python bench/lab08_q4_variants.py      # the lab's kernel (solutions/08) and variants, each over a tile sweep
+    VARIANTS=dp4a,bf16 python bench/lab08_q4_variants.py     # any of lab, blocks3d, stream, stream1, dp4a,
+                                                             # magic_bytes, magic_words, bf16
+    TRITON_INTERPRET=1 python bench/lab08_q4_variants.py     # a check of the script on a CPU (tiny, no timing)
 
 The lab's kernel converts each nibble with an integer-to-float instruction; the variants use the exponent trick
 (OR the nibble into the mantissa of 2^23, subtract) on bytes and on 16-bit words. Each runs the up (14336 x 4096) and
@@ -8,8 +11,10 @@ down (4096 x 14336) projections of enough layers to exceed four L2s, replayed fr
 bytes read / time, against a copy (read + write) and torch.sum (read only). On an H200 (2026-11-28) all three
 stayed near 0.3 of the copy bandwidth (best 0.99 TB/s against 2.7 TB/s copy, 4.3 TB/s read). Nsight Compute on the
 lab's kernel: L1/TEX throughput 75-80 %, DRAM about 10 % of a single launch's, 40 registers, 62 % occupancy: the loads
-of x and d for every byte, not memory, set the pace. `blocks3d` (added 2026-12-01, not yet run on a GPU) loads d and x
-once per block for all the rows of a program.
+of x and d for every byte, not memory, set the pace. 2026-12-02, H200 (utils/reference/h200-lab08.md, raw
+output in utils/reference/raw/2026-12-02-h200/): blocks3d 933 GB/s, stream 1,045, dp4a (x quantized to int8 per 32,
+integer dot products) 2,076 GB/s, torch.mv on BF16 3,588; against the eager copy (4,080 GB/s, how lab 08 times it)
+0.23, 0.26, 0.51 and 0.88. The "copy" this script prints is now timed eagerly too (it was a graph's memcpy node).
 """
 import itertools
 import json
@@ -353,7 +358,26 @@ def timed(fn, calls=LAYERS, reps=20):
 
 src = torch.ones(1 << (10 if SMOKE else 28), device=dev)
 dst = torch.empty_like(src)
-copy = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), calls=4) / 1e6
+def eager(fn, reps=20):
+    """Median ms of `fn` timed call by call with CUDA events (no graph: in a graph a copy is a memcpy node, which ran
+    at 2.7 TB/s on an H200 where the same copy launched from a stream moved 4.1: lab 08 times it this way)."""
+    if SMOKE:
+        return 1.0
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+copy = 2 * src.numel() * 4 / eager(lambda: dst.copy_(src)) / 1e6
 read = src.numel() * 4 / timed(lambda: src.sum(), calls=4) / 1e6
 del src, dst
 print(f"{'CPU smoke run' if SMOKE else torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, read-only (sum) {read:,.0f} GB/s; {LAYERS} layers "

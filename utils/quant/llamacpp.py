@@ -212,7 +212,8 @@ def read_kld_base(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def build_version(bin_dir: Path) -> str:
     """"llama.cpp b7000 (abc1234)": the build's own `--version` line."""
     run = tool(bin_dir, "llama-perplexity", "--version", timeout=60)     # llama-bench has no --version
-    m = re.search(r"version: (\d+) \(([0-9a-f]+)\)", run.stdout + run.stderr)
+    text = run.stdout + run.stderr      # "version: 7000 (abc1234)" or, since 2026, "version: ... (build 7000, commit abc1234)"
+    m = re.search(r"\(build (\d+), commit ([0-9a-f]+)\)", text) or re.search(r"version: (\d+) \(([0-9a-f]+)\)", text)
     return f"llama.cpp b{m.group(1)} ({m.group(2)})" if m else "llama.cpp (version unknown)"
 
 

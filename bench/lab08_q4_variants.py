@@ -517,6 +517,13 @@ if "dp4a" in only:      # x quantized to int8: its error against the exact produ
     stage2.sort(reverse=True)
     print("dp4a stage 2, top 6:", ", ".join(f"{g:,.0f} GB/s {c} (G, qwarps, stages, unroll)={o}"
                                            for g, c, o in stage2[:6]), flush=True)
+if "dp4a2" in only:     # around run 4's best: more unrolling, two rows or warps a program
+    for bn, vecs, nw, unroll in itertools.product((1, 2), (16, 32, 64), (1, 2), (1, 2, 4, 8)):
+        if bn * vecs >= 32 * nw:
+            cfg = (bn, vecs, nw, True)
+            gbps = measure("dp4a", dp4a_of(*cfg, unroll=unroll, g=1, qwarps=4), cfg + (unroll,), tol=2e-2)
+            if gbps:
+                results.append((gbps, f"dp4a x-3d unroll={unroll}", cfg))
 if "stream1" in only:   # the stream variant's best config of the first H200 run (2026-12-02), for comparison
     g = measure("stream", stream_of(4, 32, 4, False, False), (4, 32, 4))
     results.append((g or 0, "stream cvt", (4, 32, 4)))

@@ -416,7 +416,7 @@ def stream_of(bn, vecs, nw, magic, xb):
     return run
 
 
-def dp4a_of(bn, vecs, nw, xb=False, quantize=True, stages=1, unroll=1, g=16, qwarps=4):
+def dp4a_of(bn, vecs, nw, xb=False, quantize=True, stages=1, unroll=1, g=16, qwarps=4, maxnreg=None):
     """y = W @ x with x quantized to int8 per 32 (llama.cpp's Q8 activations), then integer dot products."""
     bufs = {}
     kind = "none" if SMOKE else ("amdgcn" if torch.version.hip else "ptx")
@@ -436,7 +436,8 @@ def dp4a_of(bn, vecs, nw, xb=False, quantize=True, stages=1, unroll=1, g=16, qwa
         dp4a_gemv[(triton.cdiv(wt.shape[0], bn),)](wt, xq, dx, o, wt.shape[0], row_bytes,
                                                    row_bytes // (4 if words else 2), S, HAS_MIN=False, WORDS=words,
                                                    BLOCK_N=bn, VECS=vecs, DOT4=kind, XB=xb, STAGES=stages,
-                                                   UNROLL=unroll, num_warps=nw)
+                                                   UNROLL=unroll, num_warps=nw,
+                                                   **({"maxnreg": maxnreg} if maxnreg and not SMOKE else {}))
     return run
 
 
@@ -524,6 +525,12 @@ if "dp4a2" in only:     # around run 4's best: more unrolling, two rows or warps
             gbps = measure("dp4a", dp4a_of(*cfg, unroll=unroll, g=1, qwarps=4), cfg + (unroll,), tol=2e-2)
             if gbps:
                 results.append((gbps, f"dp4a x-3d unroll={unroll}", cfg))
+if "dp4a3" in only:     # fewer registers a thread (Nsight Compute: 64, occupancy 50 % at most, 38 % achieved)
+    for cfg, unroll, reg in [((1, 32, 1, True), u, r) for u in (1, 2) for r in (None, 32, 40, 48)] + \
+                            [((2, 32, 1, False), u, r) for u in (1, 2) for r in (None, 48)]:
+        gbps = measure("dp4a", dp4a_of(*cfg, unroll=unroll, g=1, qwarps=4, maxnreg=reg), cfg + (unroll, reg), tol=2e-2)
+        if gbps:
+            results.append((gbps, f"dp4a unroll={unroll} maxnreg={reg}", cfg))
 if "stream1" in only:   # the stream variant's best config of the first H200 run (2026-12-02), for comparison
     g = measure("stream", stream_of(4, 32, 4, False, False), (4, 32, 4))
     results.append((g or 0, "stream cvt", (4, 32, 4)))

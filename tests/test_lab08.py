@@ -94,46 +94,82 @@ def test_dequantize_q4_1_wrong_answers_fail_with_their_hint(answer, hint):
         graders.check_dequantize_q4_1(lab({"8.1": answer}).dequantize_q4_1)
 
 
-# ---- 8.2 the GEMV's inner loop ---------------------------------------------------------------------------------
+# ---- 8.2 the GEMV's integer dot products -----------------------------------------------------------------------
 
-GEMV_RIGHT = ("w_lo = d * ((q & 15).to(tl.float32) - ZERO) + m\nw_hi = d * ((q >> 4).to(tl.float32) - ZERO) + m\n"
-              "acc += w_lo * x_lo[None, :] + w_hi * x_hi[None, :]")
-GEMV_BODY = "lo = (q & 0xF).to(tl.float32)\nhi = (q >> 4).to(tl.float32)\n"
+GEMV_RIGHT = [
+    "dots = dot4((word >> 4) & 0x0F0F0F0F, x_hi, dot4(word & 0x0F0F0F0F, x_lo, tl.zeros_like(word), DOT4), DOT4)",
+    "hi4 = (word >> 4) & 0x0F0F0F0F\ndots = dot4(hi4, x_hi, dots, DOT4)\ndots = dot4(word - 16 * hi4, x_lo, dots, DOT4)",
+]
+LOW = "dots = dot4(word & 0x0F0F0F0F, x_lo, dots, DOT4)\n"
 
 
-def test_the_q4_gemv_covering_grid_and_a_second_right_answer_pass(ref, capsys):
-    graders.check_q4_gemv(ref.q4_gemv, "cpu", ref.BLOCKS)
-    graders.check_q4_gemv(lab({"8.2": GEMV_RIGHT}).q4_gemv, "cpu", ref.BLOCKS)
-    assert capsys.readouterr().out.count("PASS: q4_gemv") == 2
-    # other tile shapes than the lab's, same answers
-    data = blocks.random_blocks("Q4_1", 9 * 3, seed=5, awkward=True).reshape(9, -1)
-    x = torch.randn(96)
-    want = torch.from_numpy(blocks.dequantize(data, "Q4_1")).double() @ x.double()
-    for bn, bs in ((1, 1), (2, 2), (8, 4)):
-        got = ref.q4_gemv(torch.from_numpy(data), x, qtype="Q4_1", block_n=bn, blocks_per_step=bs).double()
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+def test_the_q4_gemv_covering_grid_and_answers_written_differently_pass(ref, capsys):
+    graders.check_q4_gemv(ref.q4_gemv, "cpu", ref.VECS)
+    for answer in GEMV_RIGHT:      # one nested expression; the high nibbles first, the low ones as word - 16 * high
+        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.VECS)
+    assert capsys.readouterr().out.count("PASS: q4_gemv") == 3
+    # other tile shapes than the lab's, same answers: rows of whole words (Q4_1) and of 16-bit halves (3 Q4_0 blocks)
+    for qtype in ("Q4_1", "Q4_0"):
+        data = blocks.random_blocks(qtype, 9 * 3, seed=5, awkward=True).reshape(9, -1)
+        x = torch.randn(96)
+        q, dx = blocks.quantize_q8_rows(x)
+        w = torch.from_numpy(blocks.dequantize(data, qtype)).double()
+        want = w @ torch.from_numpy(q.astype(np.float64) * dx.astype(np.float64)[:, None]).reshape(-1)
+        for bn, vecs in ((1, 1), (2, 2), (8, 4), (1, 32)):
+            got = ref.q4_gemv(torch.from_numpy(data), x, qtype=qtype, block_n=bn, vecs=vecs).double()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (qtype, bn, vecs)
+
+
+def test_x_is_quantized_as_the_reference_says_into_buffers_made_once(ref):
+    """quantize_x_kernel's int8 and scales equal blocks.quantize_q8_rows bit for bit (a zero block, halves rounded
+    away from zero); q4_gemv keeps its buffers across calls, with zeros at the positions of the scales."""
+    x = torch.randn(32 * 5) * 3
+    x[32:64] = 0                                         # a block of zeros: scale 0, q 0
+    x[64:96] = torch.tensor([127.0, -127.0] + [s * (k + 0.5) for k in range(15) for s in (1, -1)])   # d = 1: halves
+    q, dx = blocks.quantize_q8_rows(x)
+    assert dx[1] == 0 and not q[1].any() and np.abs(q[0]).max() == 127
+    assert dx[2] == 1 and q[2, :8].tolist() == [127, -127, 1, -1, 2, -2, 3, -3]
+    fmt = blocks.Q4_0
+    step = ref.VECS * 16
+    S = -(-fmt.row_bytes(x.numel()) // step) * step
+    xq, d = torch.zeros(2 * S, dtype=torch.int8), torch.empty(5)
+    ref.quantize_x_kernel[(1,)](x, xq, d, x.numel(), S, BYTES=fmt.nbytes, OFF=2, G=16)
+    at = (np.arange(5)[:, None] * fmt.nbytes + 2 + np.arange(16)[None, :]).ravel()
+    assert np.array_equal(d.numpy(), dx)
+    assert np.array_equal(xq[:S].numpy()[at], q[:, :16].ravel()) and np.array_equal(xq[S:].numpy()[at], q[:, 16:].ravel())
+    assert not np.delete(xq[:S].numpy(), at).any() and not np.delete(xq[S:].numpy(), at).any()
+    w = torch.from_numpy(blocks.random_blocks("Q4_0", 2 * 5, seed=2)).reshape(2, -1)
+    first = ref.q4_gemv(w, x)
+    buffers = [t.data_ptr() for t in ref._XQ[(x.device, x.numel(), "Q4_0", S)]]
+    assert torch.equal(ref.q4_gemv(w, x * 2), 2 * first)                # x's scale moves, its int8 do not
+    assert [t.data_ptr() for t in ref._XQ[(x.device, x.numel(), "Q4_0", S)]] == buffers
+
+
+def test_the_kernel_model_of_the_grader_is_the_quantized_product():
+    """The grader's model of the kernel (which names the known mistakes), with the right nibbles, is W @ x_q."""
+    for qtype, k in (("Q4_0", 32 * 3), ("Q4_1", 32 * 4)):
+        data = blocks.random_blocks(qtype, 5 * k // 32, seed=1).reshape(5, -1)
+        q, dx = blocks.quantize_q8_rows(np.random.default_rng(0).standard_normal(k))
+        y, size = graders._kernel_model(data, q, dx, qtype, lambda b: b & 15, lambda b: b >> 4)
+        want = blocks.dequantize(data, qtype).astype(np.float64) @ (q * dx.astype(np.float64)[:, None]).ravel()
+        assert np.allclose(y, want, rtol=1e-12, atol=1e-12 * np.abs(want).max()) and (size > 0).all()
 
 
 @pytest.mark.parametrize("answer, hint", [
-    (GEMV_BODY + "acc += d * ((hi - ZERO) * x_lo[None, :] + (lo - ZERO) * x_hi[None, :]) + m * (x_lo + x_hi)[None, :]",
+    ("dots = dot4(word & 0x0F0F0F0F, x_hi, dots, DOT4)\ndots = dot4((word >> 4) & 0x0F0F0F0F, x_lo, dots, DOT4)",
      "swapped"),
-    (GEMV_BODY + "acc = d * ((lo - ZERO) * x_lo[None, :] + (hi - ZERO) * x_hi[None, :]) + m * (x_lo + x_hi)[None, :]",
-     "every step of the loop adds its bytes"),
-    (GEMV_BODY + "acc += (d * lo - ZERO) * x_lo[None, :] + (d * hi - ZERO) * x_hi[None, :] + m * (x_lo + x_hi)[None, :]",
-     "before scaling by d"),
-    (GEMV_BODY + "acc += d * (lo * x_lo[None, :] + hi * x_hi[None, :]) + m * (x_lo + x_hi)[None, :]",
-     "subtract ZERO from each nibble"),
-], ids=["nibbles swapped", "acc =", "ZERO after d", "no ZERO"])
+    ("dots = dot4(word & 0xF, x_lo, dots, DOT4)\ndots = dot4((word >> 4) & 0xF, x_hi, dots, DOT4)",
+     "one nibble in each of the word's 4 bytes"),
+    ("dots = dot4(word & 0xF, x_lo, dots, DOT4)\ndots = dot4((word >> 4) & 0x0F0F0F0F, x_hi, dots, DOT4)",
+     "one nibble in each of the word's 4 bytes"),
+    (LOW, "the high nibbles are missing"),
+    (LOW + "dots = dot4((word >> 4) & 0x0F0F0F0F, x_hi, tl.zeros_like(word), DOT4)", "the low nibbles are missing"),
+    (LOW + "dots = dot4(word >> 4, x_hi, dots, DOT4)", "mask the shifted word too"),
+], ids=["nibbles swapped", "word & 0xF", "low nibble of byte 0 only", "no high nibbles", "second dot4 from zeros",
+        "shift unmasked"])
 def test_q4_gemv_wrong_answers_fail_with_their_hint(answer, hint, ref):
     with pytest.raises(ExerciseFailed, match=hint):
-        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.BLOCKS)
-
-
-def test_q4_1_without_its_minimum_gets_the_minimum_hint(ref):
-    """Q4_0 cannot tell (its m is 0): the grader reaches Q4_1 and names the minimum."""
-    answer = GEMV_BODY + "acc += d * ((lo - ZERO) * x_lo[None, :] + (hi - ZERO) * x_hi[None, :])"
-    with pytest.raises(ExerciseFailed, match="Q4_1 adds the block's minimum"):
-        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.BLOCKS)
+        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.VECS)
 
 
 def test_q4_gemv_that_writes_into_x_fails_naming_it(ref):
@@ -142,7 +178,7 @@ def test_q4_gemv_that_writes_into_x_fails_naming_it(ref):
         x.zero_()
         return y
     with pytest.raises(ExerciseFailed, match="Q4_0 weights 1x32 .* your code changed its input x: read the inputs"):
-        graders.check_q4_gemv(writes_x, "cpu", ref.BLOCKS)
+        graders.check_q4_gemv(writes_x, "cpu", ref.VECS)
 
 
 def test_q4_gemv_refuses_what_it_cannot_read(ref):
@@ -209,7 +245,7 @@ def test_backend_stats_wrong_answers_fail_with_their_hint(answer, hint):
 def test_every_grade_draws_fresh_inputs(ref, checker, fn, monkeypatch, capsys):
     """Issue 46: each grade draws new blocks, vectors and logits: an answer that replays an earlier grade's answers
     fails, and what a right answer prints stays the same."""
-    extra = ("cpu", ref.BLOCKS) if fn == "q4_gemv" else ()
+    extra = ("cpu", ref.VECS) if fn == "q4_gemv" else ()
     grades_afresh(getattr(graders, checker), getattr(ref, fn), monkeypatch, capsys, *extra)
 
 
@@ -315,10 +351,10 @@ def test_the_numpy_reference_and_llama_cpp_agree_on_smollm2(tmp_path, ref):
 
 
 def test_the_lab_passes_an_alternative_answer_and_stops_at_a_wrong_one(tmp_path, build_dir):
-    """The learner's lab with 8.1 written with loops (passes) and 8.2's acc overwritten each step (fails with its
-    hint): Run All stops at 8.2's check, after 8.1 said PASS."""
-    nb, error = run_lab_with(LAB, {"8.1": Q4_1_RIGHT[1], "8.2": GEMV_BODY + "acc = d * ((lo - ZERO) * x_lo[None, :] + "
-                                   "(hi - ZERO) * x_hi[None, :]) + m * (x_lo + x_hi)[None, :]"}, tmp_path)
+    """The learner's lab with 8.1 written with loops (passes) and 8.2's high nibbles shifted but not masked (fails
+    with its hint): Run All stops at 8.2's check, after 8.1 said PASS."""
+    nb, error = run_lab_with(LAB, {"8.1": Q4_1_RIGHT[1], "8.2": LOW + "dots = dot4(word >> 4, x_hi, dots, DOT4)"},
+                             tmp_path)
     assert error is not None and error[0] == "ExerciseFailed", error
-    assert "every step of the loop adds its bytes" in error[1]
+    assert "mask the shifted word too" in error[1]
     assert "PASS: exercise 8.1 (decode a Q4_1 block)" in stream_text(nb)

@@ -112,3 +112,20 @@ def quantize(weights: np.ndarray, name: str | BlockFormat) -> np.ndarray:
     import gguf
 
     return gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), fmt(name).ggml_type)
+
+
+def quantize_q8_rows(x) -> tuple[np.ndarray, np.ndarray]:
+    """x (K,) to int8 in blocks of 32, as lab 08's `quantize_x_kernel` does it and llama.cpp's `quantize_q8_1` does
+    for its activations (ggml-cuda/quantize.cu): per block d = max|x| / 127 and q = x / d rounded half away from zero
+    (q = 0 where d = 0), all in float32. Returns (q int8 (K/32, 32), d float32 (K/32,)); q * d is the x that the
+    lab's GEMV multiplies by. x: float32, float16 or bfloat16 (NumPy, or a torch tensor on any device)."""
+    if hasattr(x, "detach"):                     # a torch tensor: bfloat16 has no NumPy dtype
+        x = x.detach().float().cpu().numpy()
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if x.size % 32:
+        raise ValueError(f"quantize_q8_rows quantizes whole blocks of 32: {x.size} elements")
+    x = x.reshape(-1, 32)
+    d = np.abs(x).max(axis=1) / np.float32(127)
+    v = x / np.where(d > 0, d, np.float32(1))[:, None]
+    q = np.where(v >= 0, np.floor(v + np.float32(0.5)), -np.floor(np.float32(0.5) - v))
+    return q.astype(np.int8), d.astype(np.float32)

@@ -68,50 +68,91 @@ def check_dequantize_q4_1(f):
 
 # --- 8.2: the GEMV that never expands the weights -----------------------------------------------------------
 
-GEMV_CASES = [(1, 32, "float32"), (7, 64, "float16"), (33, 32 * 37, "float32"), (96, 256, "bfloat16"),
-              (5, 32 * 130, "float32")]      # (rows N, columns K, x's dtype): block counts that end inside a step
+# (rows N, columns K, x's dtype): odd rows, odd block counts (Q4_0 rows that are not whole 32-bit words), rows that
+# end inside a step of the loop
+GEMV_CASES = [(1, 32, "float32"), (7, 64, "float16"), (9, 32 * 37, "float32"), (24, 256, "bfloat16"),
+              (5, 32 * 130, "float32")]
 
 
-def _gemv_mistakes(data: np.ndarray, x: np.ndarray, qtype: str, step_blocks: int) -> list[tuple[str, np.ndarray]]:
-    """Known wrong inner loops, as whole products (float64), each with its hint."""
+def _kernel_model(data: np.ndarray, q: np.ndarray, dx: np.ndarray, qtype: str, lo, hi, swap=False):
+    """The lab's GEMV in float64, with the integer dot products of each word given: byte p of a row (padded with
+    zeros to whole 32-bit words) contributes lo[p] * xq_lo[p] + hi[p] * xq_hi[p] (swapped: lo with xq_hi, hi with
+    xq_lo), xq the int8 x along the row's bytes (0 at scale bytes); per block, dx * (d * (dot - ZERO * sum q) + m *
+    sum q). `lo`, `hi`: functions of the padded bytes (int64, shape (N, P)). Returns (y, the size of its terms)."""
     f = blocks.fmt(qtype)
-    n = data.shape[0]
-    b = data.reshape(-1, f.nbytes)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float64)
-    m = b[:, 2:4].copy().view(np.float16).astype(np.float64) if f.name == "Q4_1" else np.zeros_like(d)
-    qs = b[:, -16:]
-    lo, hi = (qs & 0x0F).astype(np.float64), (qs >> 4).astype(np.float64)
-    q = np.concatenate([lo, hi], 1)
-    zero = 0.0 if f.name == "Q4_1" else 8.0
-    product = lambda w: (w.reshape(n, -1) * x[None]).sum(axis=1)
-    per_block = lambda w: (w.reshape(n, -1, 32) * x.reshape(-1, 32)[None]).sum(axis=2)       # (n, blocks)
-    right = d * (q - zero) + m
-    first_of_last = (x.size // 32 - 1) // step_blocks * step_blocks
-    mistakes = [
-        ("the low nibble is weight c % 16 (times x_lo) and the high nibble weight c % 16 + 16 (times x_hi): swapped",
-         product(d * (np.concatenate([hi, lo], 1) - zero) + m)),
-        ("acc += ...: every step of the loop adds its bytes (acc = ... keeps only the last step's)",
-         per_block(right)[:, first_of_last:].sum(axis=1)),
-        ("subtract ZERO from the nibble before scaling by d: w = d * (q - ZERO) (+ m), not d * q - ZERO",
-         product(d * q - zero + m)),
+    n, row_bytes = data.shape
+    nblk, off, zero = row_bytes // f.nbytes, 2 * len(f.scales), 8 if f is blocks.Q4_0 else 0
+    padded = -(-row_bytes // 4) * 4
+    b = np.zeros((n, padded), np.int64)
+    b[:, :row_bytes] = data
+    pos = (np.arange(nblk)[:, None] * f.nbytes + off + np.arange(16)[None, :]).ravel()
+    x_lo, x_hi = np.zeros(padded, np.int64), np.zeros(padded, np.int64)
+    x_lo[pos], x_hi[pos] = q[:, :16].ravel(), q[:, 16:].ravel()
+    if swap:
+        x_lo, x_hi = x_hi, x_lo
+    terms = lo(b) * x_lo + hi(b) * x_hi                                           # (n, padded)
+    blk = np.minimum(np.arange(padded) // f.nbytes, nblk - 1)
+    dot, size = np.zeros((n, nblk)), np.zeros((n, nblk))
+    np.add.at(dot.T, blk, terms.T)
+    np.add.at(size.T, blk, np.abs(terms).T)
+    scales = data.reshape(n, nblk, f.nbytes)
+    d = scales[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = scales[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if "m" in f.scales else 0 * d
+    sq = q.astype(np.int64).sum(axis=1)                                           # (nblk,): the sum of q of x
+    dxf = dx.astype(np.float64)
+    y = (dxf * (d * (dot - zero * sq) + m * sq)).sum(axis=1)
+    magnitude = (dxf * (np.abs(d) * (size + zero * np.abs(q).sum(axis=1)) + np.abs(m) * np.abs(q).sum(axis=1))).sum(1)
+    return y, magnitude
+
+
+def _signed_bytes(v):
+    return np.where(v >= 128, v - 256, v)
+
+
+def _shifted_unmasked(b):
+    """The four bytes of word >> 4 (an arithmetic shift), as dot4 reads them (signed): a byte's high nibble with
+    the next byte's low nibble above it, the top byte's high nibble sign-extended."""
+    nxt = np.zeros_like(b)
+    nxt[:, :-1] = b[:, 1:]
+    top = (np.arange(b.shape[1]) % 4 == 3)[None, :]
+    return np.where(top, _signed_bytes(b) >> 4, _signed_bytes((b >> 4) | ((nxt & 0x0F) << 4)))
+
+
+def _gemv_mistakes(data: np.ndarray, q: np.ndarray, dx: np.ndarray, qtype: str) -> list[tuple[str, tuple]]:
+    """Known wrong pairs of dot products, as whole products (float64) with the size of their terms, each with its
+    hint."""
+    low, high = (lambda b: b & 0x0F), (lambda b: b >> 4)
+    first = lambda g: (lambda b: g(b) * (np.arange(b.shape[1]) % 4 == 0)[None, :])     # byte 0 of each word only
+    none = lambda b: 0 * b
+    model = lambda lo, hi, swap=False: _kernel_model(data, q, dx, qtype, lo, hi, swap)
+    one_nibble = ("mask with 0x0F0F0F0F, one nibble in each of the word's 4 bytes: word & 0xF keeps byte 0's alone "
+                  "(and (word >> 4) & 0x0F0F0F0F the 4 high nibbles)")
+    return [
+        ("the low nibbles (word & 0x0F0F0F0F) are weights 0-15 of their blocks and multiply x_lo, the high nibbles "
+         "x_hi: swapped", model(low, high, swap=True)),
+        (one_nibble, model(first(low), first(high))),
+        (one_nibble, model(first(low), high)),
+        (one_nibble, model(low, first(high))),
+        ("the high nibbles are missing: add dot4((word >> 4) & 0x0F0F0F0F, x_hi, dots, DOT4) to the low ones",
+         model(low, none)),
+        ("the low nibbles are missing: each dot4 adds to its third argument, so pass it dots (what the first one "
+         "returned), not zeros", model(none, high)),
+        ("mask the shifted word too: (word >> 4) & 0x0F0F0F0F; word >> 4 alone leaves the next nibble in each byte's "
+         "high half", model(low, _shifted_unmasked)),
     ]
-    if f.name == "Q4_0":
-        mistakes.append(("Q4_0's weights are d * (q - 8): subtract ZERO from each nibble", product(d * q)))
-    else:
-        mistakes += [("Q4_1 adds the block's minimum: + m * (x_lo + x_hi) for the byte's two weights", product(d * q)),
-                     ("m belongs to both weights of the byte: m * (x_lo + x_hi), not m * x_lo alone",
-                      product(d * q) + per_block(np.concatenate([m + 0 * lo, 0 * hi], 1)).sum(axis=1))]
-    return mistakes
 
 
-def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
-    """q4_gemv(weights, x, qtype=...) against gguf's dequantization then a float64 product, for Q4_0 and Q4_1, odd
-    row counts and block counts that end inside a step of the loop (`step_blocks` blocks a step); x in float32,
-    float16 and bfloat16."""
+def check_q4_gemv(q4_gemv, device="cpu", vecs=32):
+    """q4_gemv(weights, x, qtype=...) against gguf's dequantization then a float64 product with x quantized as the
+    lab's kernel does it (`blocks.quantize_q8_rows`), for Q4_0 and Q4_1, odd row counts, rows that are not whole
+    words and block counts that end inside a step of the loop (a step: `vecs` 16-byte vectors of each row); x in
+    float32, float16 and bfloat16."""
     seed = grading_guard.fresh_seed()
     rng = np.random.default_rng(seed)
+    cases = GEMV_CASES + [(3, 32 * (2 * vecs * 16 // 18 + 3), "float16")]      # more than two steps, the last partial
+    failed = []      # (what, relative error, the hints of the known mistakes that give the answer's outputs)
     for qtype in ("Q4_0", "Q4_1"):
-        for n, k, dtype in GEMV_CASES:
+        for n, k, dtype in cases:
             data = blocks.random_blocks(qtype, n * k // 32, seed=seed + n + k, awkward=n * k >= 2048).reshape(n, -1)
             x = torch.from_numpy(rng.standard_normal(k).astype(np.float32)).to(getattr(torch, dtype))
             w_t, x_t = torch.from_numpy(data.copy()).to(device), x.to(device)
@@ -121,18 +162,22 @@ def check_q4_gemv(q4_gemv, device="cpu", step_blocks=8):
                 check("q4_gemv", False, f"{what}: expected a tensor of {n} outputs, got "
                                         f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
             got = y.detach().double().cpu().numpy()
-            xs = x.double().numpy()
+            q, dx = blocks.quantize_q8_rows(x)
+            xq = (q.astype(np.float64) * dx.astype(np.float64)[:, None]).ravel()       # the x the kernel multiplies
             w = blocks.dequantize(data, qtype).astype(np.float64)
-            want, scale = w @ xs, np.abs(w) @ np.abs(xs) + 1e-30
+            want, scale = w @ xq, np.abs(w) @ np.abs(xq) + 1e-30
             err = float(np.max(np.abs(got - want) / scale))
             if err < 1e-5:
                 continue
-            # a mistake's own terms can be far larger than the right ones (d * q - 8 is about -8): room for their
-            # float32 rounding too, or the mistake goes unnamed on some draws
-            room = scale + (8.0 if qtype == "Q4_0" else 0.0) * np.abs(xs).sum()
-            why = next((hint for hint, wrong in _gemv_mistakes(data, xs, qtype, step_blocks)
-                        if np.max(np.abs(got - wrong) / room) < 1e-5), None)
-            check("q4_gemv", False, f"{what}: relative error {err:.2e} (tolerance 1e-5)" + (f": {why}" if why else ""))
+            # a mistake's own terms can be far larger than the right ones: room for their float32 rounding too, or
+            # the mistake goes unnamed on some draws
+            failed.append((what, err, [hint for hint, (wrong, size) in _gemv_mistakes(data, q, dx, qtype)
+                                       if np.max(np.abs(got - wrong) / (scale + size)) < 1e-5]))
+    if failed:       # a mistake is named when it gives the answer's outputs on every case that failed (on one small
+        what, err, hints = failed[0]                  # case, two mistakes can give the same integers by chance)
+        why = next((h for h in hints if all(h in other for _, _, other in failed)), None)
+        check("q4_gemv", False, f"{what}: relative error {err:.2e} (tolerance 1e-5, against W @ x with x quantized "
+                                "to int8 per 32 as the kernel does it)" + (f": {why}" if why else ""))
     check("q4_gemv", True, "")
 
 

@@ -2,9 +2,9 @@
 passes, an answer written differently passes, known-wrong answers fail with the hint that names their mistake)."""
 import pytest
 
-from grading import errors, run_lab_with, stream_text
+from grading import errors, grades_afresh, run_lab_with, stream_text
 from utils import device as devices
-from utils import grading_guard, solutions
+from utils import solutions
 from utils.exercises import ExerciseFailed
 from utils.graders import lab00 as graders
 
@@ -118,39 +118,6 @@ def test_the_lab_grades_answers_as_a_learner_runs_it(tmp_path, build_dir):
     assert "NOT DONE: exercise 0.2 " in text
     assert error is not None and error[0] == "ExerciseFailed" and "ms is in milliseconds" in error[1]
     assert [e for e, _ in errors(nb)] == ["ExerciseFailed"]
-
-
-def replay(fn):
-    """(recording, replaying), as a learner who kept the answers of an earlier grade would write them: `recording`
-    answers as fn does and keeps each answer under its inputs (a tensor's or an array's by its shape); `replaying`
-    answers from that table, with the last answer kept where it has none: a lookup table of the cases tried, or a
-    result cached across grades (the other labs' tests use it too)."""
-    table = {}
-    key = lambda args, kwargs: repr([tuple(a.shape) if hasattr(a, "shape") else a for a in args]
-                                    + sorted(kwargs.items()))
-
-    def recording(*args, **kwargs):
-        table[key(args, kwargs)] = out = fn(*args, **kwargs)
-        return out
-
-    def replaying(*args, **kwargs):
-        return table.get(key(args, kwargs), list(table.values())[-1])
-    return recording, replaying
-
-
-def grades_afresh(checker, fn, monkeypatch, capsys, *extra):
-    """What `checker` prints on a right answer, the same on every grade though each draws new inputs; an answer that
-    replays the answers of an earlier grade fails. Two seeds fixed ($COURSE_GRADE_SEED) keep the test reproducible."""
-    recording, replaying = replay(fn)
-    monkeypatch.setenv(grading_guard.SEED_VAR, "1")
-    checker(recording, *extra)
-    printed = capsys.readouterr().out
-    monkeypatch.setenv(grading_guard.SEED_VAR, "2")
-    with pytest.raises(ExerciseFailed):
-        checker(replaying, *extra)
-    capsys.readouterr()
-    checker(fn, *extra)
-    assert capsys.readouterr().out == printed and "PASS" in printed
 
 
 @pytest.mark.parametrize("exercise", GRADER)

@@ -4,8 +4,7 @@ utils/graders/lab05.py called directly on the solution's exported functions, and
 papermill)."""
 import pytest
 
-from grading import run_lab_with, stream_text
-from test_lab00 import grades_afresh
+from grading import grades_afresh, run_lab_with, stream_text
 from utils import solutions
 from utils.llm import models
 from utils.exercises import ExerciseFailed

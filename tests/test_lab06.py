@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from grading import errors, run_lab_with, stream_text
-from test_lab00 import grades_afresh
+from grading import errors, grades_afresh, run_lab_with, stream_text
 from utils import solutions
 from utils.base import processes
 from utils.multigpu import attribution, collectives, comm, launch, netns, oneshot, topology, tp

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from grading import run_lab_with, stream_text
-from test_lab00 import grades_afresh
+from grading import grades_afresh, run_lab_with, stream_text
 from utils import simt, solutions
 from utils.clinic import divergence as dv, doctor, faults, traces
 from utils.exercises import ExerciseFailed

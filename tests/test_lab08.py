@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from grading import run_lab_with, stream_text
-from test_lab00 import grades_afresh
+from grading import grades_afresh, run_lab_with, stream_text
 from utils import blocks, solutions
 from utils.base.paths import REPO_ROOT
 from utils.exercises import ExerciseFailed

@@ -627,7 +627,8 @@ class KernelRun:
                                               # "syncwarp") with the mask of the lanes that took part (up to 16)
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The C++ compiler simt builds kernels with (g++, c++ or clang++); KernelError with the install line if none."""
     for name in ("g++", "c++", "clang++"):
         found = shutil.which(name)
         if found:
@@ -677,7 +678,7 @@ _FLAGS = ["-std=c++17", "-O1", "-w", "-U_FORTIFY_SOURCE"]
 
 def _build(source: str, name: str, args: list, platform: str) -> Path:
     main = _main_source(name, args)
-    cxx = _compiler()
+    cxx = compiler()
     key = hashlib.sha256("\0".join([RUNTIME, RUNTIME_IMPL, source, main, platform, cxx]).encode()).hexdigest()[:20]
     # compiled helpers live in this user's private build folder (0700, checked), never in a shared /tmp where
     # another user could plant a program of the expected name; each is run only if its bytes still hash to what

@@ -636,7 +636,7 @@ def _run_on_cpu(source: str) -> dict:
     """A HIP program compiled by the host's C++ compiler against PORT_RUNTIME and run: {"error": why it did not
     build or finish, else None, "message": the compiler's errors; then "rc", "stdout" and the model's report:
     "allocs", "copies", "launches", "problems", and "contents", the bytes each allocation held at the end}."""
-    cxx = simt._compiler()
+    cxx = simt.compiler()
     env = dict(os.environ, LC_ALL="C")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

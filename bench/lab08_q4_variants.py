@@ -2,7 +2,7 @@
 
     python bench/lab08_q4_variants.py      # the lab's kernel (solutions/08) and variants, each over a tile sweep
     VARIANTS=dp4a,bf16 python bench/lab08_q4_variants.py     # any of lab, blocks3d, stream, stream1, dp4a,
-                                                             # magic_bytes, magic_words, bf16
+                                                             # dp4a1-3, magic_bytes, magic_words, bf16, soa, soa2-3
     TRITON_INTERPRET=1 python bench/lab08_q4_variants.py     # a check of the script on a CPU (tiny, no timing)
 
 The lab's kernel converts each nibble with an integer-to-float instruction; the variants use the exponent trick
@@ -15,6 +15,10 @@ of x and d for every byte, not memory, set the pace. 2026-12-02, H200 (utils/ref
 output in utils/reference/raw/2026-12-02-h200/): blocks3d 933 GB/s, stream 1,045, dp4a (x quantized to int8 per 32,
 integer dot products) 2,076 GB/s, torch.mv on BF16 3,588; against the eager copy (4,080 GB/s, how lab 08 times it)
 0.23, 0.26, 0.51 and 0.88. The "copy" this script prints is now timed eagerly too (it was a graph's memcpy node).
+Later that day (raw/2026-12-02-h200/soa_run*.txt, lab_run9.txt): `soa`, the blocks packed once (nibbles, then
+scales), a persistent grid and evict-first loads, 2,818 GB/s with its quantizer and 3,256 alone (0.68 / 0.78); it
+became lab 08's kernel, whose own q4_gemv (`lab`) read 2,831 / 3,276 GB/s = 0.70 / 0.81 of that run's copy. `soa`
+stays here as the knobs the lab leaves out (rows a program, x kept in registers, eviction and cache options).
 """
 import itertools
 import os
@@ -317,6 +321,114 @@ def dp4a_gemv(w_ptr, xq_ptr, dx_ptr, y_ptr, N, row_bytes, row_units, S, HAS_MIN:
     tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
 
 
+@triton.jit
+def quantize_plain_kernel(x_ptr, xq_ptr, ds_ptr, K, G: tl.constexpr):
+    """x in blocks of 32 -> int8 in x's own order (llama.cpp's Q8_1): xq[32 b + j], and per block ds[b] = (dx, dx *
+    sum q) (the sum is what Q4_0's -8 and Q4_1's minimum multiply)."""
+    b = tl.program_id(0) * G + tl.arange(0, G)
+    j = tl.arange(0, 32)
+    ok = (b < K // 32)[:, None]
+    xv = tl.load(x_ptr + b[:, None] * 32 + j[None, :], mask=ok, other=0.0).to(tl.float32)
+    dx = tl.math.div_rn(tl.max(tl.abs(xv), axis=1), 127.0)
+    v = tl.math.div_rn(xv, tl.where(dx > 0, dx, 1.0)[:, None])
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(ds_ptr + 2 * b, dx, mask=b < K // 32)
+    tl.store(ds_ptr + 2 * b + 1, dx * tl.sum(q, axis=1), mask=b < K // 32)
+    tl.store(xq_ptr + b[:, None] * 32 + j[None, :], q.to(tl.int8), mask=ok)
+
+
+@triton.jit
+def soa_gemv(qs_ptr, d_ptr, m_ptr, xq_ptr, ds_ptr, y_ptr, N, nblk, row_words, HAS_MIN: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT4: tl.constexpr, UNROLL: tl.constexpr = 1,
+             PERSIST: tl.constexpr = False, XONCE: tl.constexpr = False, EVICT: tl.constexpr = "",
+             D_EVICT: tl.constexpr = "", CM: tl.constexpr = ""):
+    """The weights re-laid once (llama.cpp's SYCL backend reorders Q4_0 the same way): a row's nibbles contiguous
+    (16 bytes a block, row_words = 4 * nblk 32-bit words), its scales d (and minimums m) in their own (N, nblk)
+    fp16 arrays. A block is one 16-byte vector: its 8 words meet 8 words of x in 8 dp4a into one int32, with no
+    block boundary inside a vector and no per-word sum of x (ds holds it per block)."""
+    b = tl.arange(0, BLOCKS)
+    i = tl.arange(0, 4)
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
+    qs32 = qs_ptr.to(tl.pointer_type(tl.int32))
+    step = tl.num_programs(0) * BLOCK_N if PERSIST else N
+    if XONCE:     # the whole row in one step (nblk <= BLOCKS): x loaded once a program, kept in registers
+        live1 = b < nblk
+        x_at1 = xq32 + b[None, :, None] * 8 + i[None, None, :] + tl.zeros([BLOCK_N, 1, 1], tl.int32)
+        x_lo1 = tl.load(x_at1, mask=live1[None, :, None], other=0)
+        x_hi1 = tl.load(x_at1 + 4, mask=live1[None, :, None], other=0)
+    for r0 in tl.range(tl.program_id(0) * BLOCK_N, N, step):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        row_ok, r64 = rows < N, rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+        for b0 in tl.range(0, nblk, BLOCKS, loop_unroll_factor=UNROLL):
+            blk = b0 + b
+            live = blk < nblk
+            wi = blk[None, :, None] * 4 + i[None, None, :]                      # (1, BLOCKS, 4)
+            ok3 = row_ok[:, None, None] & live[None, :, None]
+            word = tl.load(qs32 + r64[:, None, None] * row_words + wi, mask=ok3, other=0, eviction_policy=EVICT,
+                           cache_modifier=CM)
+            if XONCE:
+                x_lo = x_lo1
+                x_hi = x_hi1
+            else:
+                x_at = xq32 + blk[None, :, None] * 8 + i[None, None, :] + 0 * rows[:, None, None]
+                x_lo = tl.load(x_at, mask=ok3, other=0)                          # x 0..15 of the block
+                x_hi = tl.load(x_at + 4, mask=ok3, other=0)                      # x 16..31
+            dots = dot4(word & 0x0F0F0F0F, x_lo, tl.zeros_like(word), DOT4)
+            dots = dot4((word >> 4) & 0x0F0F0F0F, x_hi, dots, DOT4)
+            dot = tl.sum(dots, axis=2).to(tl.float32)                            # (BLOCK_N, BLOCKS)
+            ok2 = row_ok[:, None] & live[None, :]
+            d = tl.load(d_ptr + r64[:, None] * nblk + blk[None, :], mask=ok2, other=0.0,
+                        eviction_policy=D_EVICT).to(tl.float32)
+            dx = tl.load(ds_ptr + 2 * blk, mask=live, other=0.0)[None, :]
+            sx = tl.load(ds_ptr + 2 * blk + 1, mask=live, other=0.0)[None, :]
+            if HAS_MIN:
+                m = tl.load(m_ptr + r64[:, None] * nblk + blk[None, :], mask=ok2, other=0.0).to(tl.float32)
+                acc += d * dx * dot + m * sx
+            else:
+                acc += d * (dx * dot - 8.0 * sx)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+
+def pack_soa(wt, nbytes=18):
+    """gguf's (N, nblk * nbytes) Q4_0/Q4_1 blocks -> (qs (N, nblk * 16) uint8, d (N, nblk) fp16, m or None)."""
+    n = wt.shape[0]
+    b = wt.view(n, -1, nbytes)
+    d = b[:, :, 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    m = b[:, :, 2:4].contiguous().view(torch.float16).reshape(n, -1) if nbytes == 20 else None
+    return b[:, :, nbytes - 16:].contiguous().reshape(n, -1), d, m
+
+
+PACKED = {}     # data_ptr of a layer's gguf tensor -> its pack_soa form
+
+
+def soa_of(bn, blocks_, nw, unroll=1, programs=None, g=4, qwarps=4, xonce=False, evict="", quantize=True, d_evict="",
+           cm=""):
+    """y = W @ x on weights packed once by pack_soa (packing outside the timing, like a model load)."""
+    kind = "none" if SMOKE else ("amdgcn" if torch.version.hip else "ptx")
+    bufs = {}
+    if not PACKED:      # every layer packed before any timing: a pack captured into a CUDA graph would be replayed
+        PACKED.update({wt.data_ptr(): pack_soa(wt) for wt in up + down})
+
+    def run(wt, a, o):
+        qs, d, m = PACKED[wt.data_ptr()]
+        k = a.shape[0]
+        if k not in bufs:
+            bufs[k] = (torch.empty(k, device=dev, dtype=torch.int8), torch.empty(2 * (k // 32), device=dev))
+        xq, ds = bufs[k]
+        if quantize or k not in run.ready:
+            quantize_plain_kernel[(triton.cdiv(k // 32, g),)](a, xq, ds, k, G=g, num_warps=qwarps)
+            run.ready.add(k)
+        n, nblk = d.shape
+        one = xonce and nblk <= blocks_
+        grid = min(programs, triton.cdiv(n, bn)) if programs else triton.cdiv(n, bn)
+        soa_gemv[(grid,)](qs, d, d if m is None else m, xq, ds, o, n, nblk, 4 * nblk, HAS_MIN=m is not None,
+                          BLOCK_N=bn, BLOCKS=blocks_, DOT4=kind, UNROLL=unroll, PERSIST=programs is not None,
+                          XONCE=one, EVICT=evict, D_EVICT=d_evict, CM=cm, num_warps=nw)
+    run.ready = set()
+    return run
+
+
 SMOKE = os.environ.get("TRITON_INTERPRET") == "1"     # a check of this script on a CPU: tiny shapes, no timing
 N, K = (64, 256) if SMOKE else (14336, 4096)
 dev = "cpu" if SMOKE else "cuda"
@@ -469,11 +581,21 @@ for name in [n for n in sweeps if n in only]:
 if "lab" in only:       # lab 08's own q4_gemv (its exported cells: utils.solutions, which needs nbformat)
     from utils import solutions
     lab = solutions.load("08")
-    for bn, vecs, nw in ((1, 32, 1), (1, 64, 2), (2, 32, 2)):
-        gbps = measure("lab", lambda wt, a, o, c=(bn, vecs, nw): lab.q4_gemv(wt, a, o, block_n=c[0], vecs=c[1],
-                                                                          num_warps=c[2]), (bn, vecs, nw), tol=2e-2)
-        if gbps:
-            results.append((gbps, "lab q4_gemv", (bn, vecs, nw)))
+    packs = {wt.data_ptr(): lab.q4_pack(wt) for wt in up + down}          # once, as a model is loaded
+    for per_step, nw, per_sm in ((32, 1, 32), (64, 1, 32), (64, 2, 16), (32, 1, 16)):
+        sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+        opts = dict(blocks_per_step=per_step, num_warps=nw, programs=None if SMOKE else sms * per_sm)
+        gbps = measure("lab", lambda wt, a, o, c=opts: lab.q4_gemv(packs[wt.data_ptr()], a, o, **c),
+                       (per_step, nw, per_sm), tol=2e-2)
+        results.append((gbps or 0, "lab q4_gemv", (per_step, nw, per_sm)))
+        xqs = {}        # x quantized beforehand (per input): the kernel alone
+
+        def kernel_only(wt, a, o, c=opts):
+            if a.data_ptr() not in xqs:
+                xqs[a.data_ptr()] = lab.quantize_x(a)
+            lab.q4_gemv(packs[wt.data_ptr()], xqs[a.data_ptr()], o, **c)
+        gbps = measure("lab", kernel_only, (per_step, nw, per_sm, "kernel alone"), tol=2e-2)
+        results.append((gbps or 0, "lab q4_gemv, its kernel alone", (per_step, nw, per_sm)))
 if "stream" in only:
     stage1 = []
     for bn, vecs, nw in itertools.product((1, 2, 4, 8, 16, 32), (2, 4, 8, 16, 32), (1, 2, 4, 8)):
@@ -528,6 +650,60 @@ if "dp4a3" in only:     # fewer registers a thread (Nsight Compute: 64, occupanc
         gbps = measure("dp4a", dp4a_of(*cfg, unroll=unroll, g=1, qwarps=4, maxnreg=reg), cfg + (unroll, reg), tol=2e-2)
         if gbps:
             results.append((gbps, f"dp4a unroll={unroll} maxnreg={reg}", cfg))
+if "soa" in only:      # the weights re-laid once (nibbles, then scales): one block = one 16-byte vector
+    stage1 = []
+    for bn, bl, nw, unroll in itertools.product((1, 2, 4), (32, 64, 128, 256), (1, 2, 4, 8), (1, 2)):
+        if 32 * nw <= bl <= 32 * nw * 4 and bn * bl <= 512:
+            cfg = (bn, bl, nw, unroll)
+            gbps = measure("soa", soa_of(*cfg), cfg, tol=2e-2)
+            if gbps:
+                stage1.append((gbps, cfg))
+                results.append((gbps, "soa", cfg))
+    stage1.sort(reverse=True)
+    print("soa, top 8:", ", ".join(f"{g:,.0f} GB/s {c}" for g, c in stage1[:8]), flush=True)
+    sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    for gbps, cfg in stage1[:3]:      # a persistent grid: each program loops over rows
+        for per_sm in (4, 8, 16, 32):
+            g = measure("soa", soa_of(*cfg, programs=sms * per_sm), cfg + (f"persistent {per_sm}/SM",), tol=2e-2)
+            if g:
+                results.append((g, f"soa persistent {per_sm}/SM", cfg))
+                print(f"  soa {cfg} persistent {per_sm}/SM: {g:,.0f} GB/s (grid-per-row {gbps:,.0f})", flush=True)
+if "dp4a1" in only:     # run 4's best dp4a configuration alone, for a same-run comparison
+    g = measure("dp4a", dp4a_of(1, 32, 1, True, unroll=2, g=1, qwarps=4), (1, 32, 1, True, 2), tol=2e-2)
+    results.append((g or 0, "dp4a x-3d unroll=2 G=1", (1, 32, 1, True)))
+if "soa2" in only:     # around soa's best: x kept in registers, evict-first weights, the quantizer's share
+    sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    base = [((1, 32, 1, 2), 32), ((1, 64, 1, 1), 32), ((1, 64, 2, 1), None)]
+    for cfg, per_sm in base:
+        prog = sms * per_sm if per_sm else None
+        for evict in ("", "evict_first"):
+            g = measure("soa", soa_of(*cfg, programs=prog, evict=evict), cfg + (per_sm, evict), tol=2e-2)
+            results.append((g or 0, f"soa2 per_sm={per_sm} evict={evict or '-'}", cfg))
+        g = measure("soa", soa_of(*cfg, programs=prog, quantize=False), cfg + (per_sm, "no quantizer"), tol=2e-2)
+        results.append((g or 0, f"soa2 per_sm={per_sm} WITHOUT the quantizer", cfg))
+    for nw, per_sm, unroll in itertools.product((1, 2, 4), (8, 16, 32), (1, 2)):    # x once: up's 128 blocks
+        if per_sm * nw <= 64:
+            cfg = (1, 128, nw, unroll)
+            g = measure("soa", soa_of(*cfg, programs=sms * per_sm, xonce=True), cfg + (per_sm, "x once"), tol=2e-2)
+            results.append((g or 0, f"soa2 x-once per_sm={per_sm}", cfg))
+    print("soa2:", ", ".join(f"{g:,.0f} {n} {c}" for g, n, c in results if n.startswith("soa2")), flush=True)
+if "soa3" in only:     # evict-first weights (run 3's gain): the grid, the scales' policy, L1 bypass, quantizer
+    sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    stage = []
+    for cfg, per_sm, d_evict, cm in itertools.product(((1, 32, 1, 2), (1, 64, 1, 1), (1, 32, 1, 1), (1, 64, 1, 2)),
+                                                     (16, 24, 32), ("", "evict_first"), ("", ".cg")):
+        opts = dict(programs=sms * per_sm, evict="evict_first", d_evict=d_evict, cm=cm)
+        g = measure("soa", soa_of(*cfg, **opts), cfg + (per_sm, d_evict, cm), tol=2e-2)
+        if g:
+            stage.append((g, cfg, opts))
+            results.append((g, f"soa3 per_sm={per_sm} d_evict={d_evict or '-'} cm={cm or '-'}", cfg))
+    stage.sort(key=lambda t: -t[0])
+    for g0, cfg, opts in stage[:2]:
+        for gq, qw in ((1, 1), (1, 4), (4, 1), (16, 4), (32, 4)):
+            g = measure("soa", soa_of(*cfg, g=gq, qwarps=qw, **opts), cfg + (gq, qw), tol=2e-2)
+            results.append((g or 0, f"soa3 {opts} quantizer G={gq} warps={qw}", cfg))
+        g = measure("soa", soa_of(*cfg, quantize=False, **opts), cfg, tol=2e-2)
+        results.append((g or 0, f"soa3 {opts} WITHOUT the quantizer", cfg))
 if "stream1" in only:   # the stream variant's best config of the first H200 run (2026-12-02), for comparison
     g = measure("stream", stream_of(4, 32, 4, False, False), (4, 32, 4))
     results.append((g or 0, "stream cvt", (4, 32, 4)))

@@ -103,45 +103,50 @@ LOW = "dots = dot4(word & 0x0F0F0F0F, x_lo, dots, DOT4)\n"
 
 
 def test_the_q4_gemv_covering_grid_and_answers_written_differently_pass(ref, capsys):
-    graders.check_q4_gemv(ref.q4_gemv, "cpu", ref.VECS)
+    graders.check_q4_gemv(ref.q4_gemv, "cpu", ref.BLOCKS)
     for answer in GEMV_RIGHT:      # one nested expression; the high nibbles first, the low ones as word - 16 * high
-        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.VECS)
+        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.BLOCKS)
     assert capsys.readouterr().out.count("PASS: q4_gemv") == 3
-    # other tile shapes than the lab's, same answers: rows of whole words (Q4_1) and of 16-bit halves (3 Q4_0 blocks)
+    # other tile shapes and grids than the lab's, same answers; gguf's blocks or packed once, x as floats or quantized
     for qtype in ("Q4_1", "Q4_0"):
         data = blocks.random_blocks(qtype, 9 * 3, seed=5, awkward=True).reshape(9, -1)
         x = torch.randn(96)
         q, dx = blocks.quantize_q8_rows(x)
         w = torch.from_numpy(blocks.dequantize(data, qtype)).double()
         want = w @ torch.from_numpy(q.astype(np.float64) * dx.astype(np.float64)[:, None]).reshape(-1)
-        for bn, vecs in ((1, 1), (2, 2), (8, 4), (1, 32)):
-            got = ref.q4_gemv(torch.from_numpy(data), x, qtype=qtype, block_n=bn, vecs=vecs).double()
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (qtype, bn, vecs)
+        packed, xq = ref.q4_pack(torch.from_numpy(data), qtype), ref.quantize_x(x)
+        for per_step, programs in ((1, 1), (2, 4), (4, None), (32, 2)):
+            got = ref.q4_gemv(torch.from_numpy(data), x, qtype=qtype, blocks_per_step=per_step,
+                              programs=programs).double()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (qtype, per_step, programs)
+            assert torch.equal(ref.q4_gemv(packed, xq, blocks_per_step=per_step, programs=programs).double(), got)
 
 
-def test_x_is_quantized_as_the_reference_says_into_buffers_made_once(ref):
-    """quantize_x_kernel's int8 and scales equal blocks.quantize_q8_rows bit for bit (a zero block, halves rounded
-    away from zero); q4_gemv keeps its buffers across calls, with zeros at the positions of the scales."""
+def test_x_is_quantized_as_the_reference_says_and_the_blocks_packed_as_gguf_lays_them(ref):
+    """quantize_x's int8 and scales equal blocks.quantize_q8_rows bit for bit (a zero block, halves rounded away
+    from zero), with each block's dx * sum of its int8 beside its dx; q4_pack keeps gguf's bytes, in another order."""
     x = torch.randn(32 * 5) * 3
     x[32:64] = 0                                         # a block of zeros: scale 0, q 0
     x[64:96] = torch.tensor([127.0, -127.0] + [s * (k + 0.5) for k in range(15) for s in (1, -1)])   # d = 1: halves
     q, dx = blocks.quantize_q8_rows(x)
     assert dx[1] == 0 and not q[1].any() and np.abs(q[0]).max() == 127
     assert dx[2] == 1 and q[2, :8].tolist() == [127, -127, 1, -1, 2, -2, 3, -3]
-    fmt = blocks.Q4_0
-    step = ref.VECS * 16
-    S = -(-fmt.row_bytes(x.numel()) // step) * step
-    xq, d = torch.zeros(2 * S, dtype=torch.int8), torch.empty(5)
-    ref.quantize_x_kernel[(1,)](x, xq, d, x.numel(), S, BYTES=fmt.nbytes, OFF=2, G=16)
-    at = (np.arange(5)[:, None] * fmt.nbytes + 2 + np.arange(16)[None, :]).ravel()
-    assert np.array_equal(d.numpy(), dx)
-    assert np.array_equal(xq[:S].numpy()[at], q[:, :16].ravel()) and np.array_equal(xq[S:].numpy()[at], q[:, 16:].ravel())
-    assert not np.delete(xq[:S].numpy(), at).any() and not np.delete(xq[S:].numpy(), at).any()
+    xq = ref.quantize_x(x)
+    assert np.array_equal(xq.q.numpy(), q.ravel()) and np.array_equal(xq.ds[:, 0].numpy(), dx)
+    assert np.array_equal(xq.ds[:, 1].numpy(), dx * q.astype(np.float32).sum(axis=1))
+    for qtype in ("Q4_0", "Q4_1"):
+        f = blocks.fmt(qtype)
+        data = blocks.random_blocks(qtype, 3 * 5, seed=2, awkward=True).reshape(3, 5, f.nbytes)
+        p = ref.q4_pack(torch.from_numpy(data.reshape(3, -1)), qtype)
+        assert p.qtype == qtype and np.array_equal(p.qs.numpy(), data[:, :, f.nbytes - 16:].reshape(3, -1))
+        assert np.array_equal(p.d.numpy(), data[:, :, 0:2].copy().view(np.float16)[..., 0])
+        assert (p.m is None) == (qtype == "Q4_0")
+        if p.m is not None:
+            assert np.array_equal(p.m.numpy(), data[:, :, 2:4].copy().view(np.float16)[..., 0])
     w = torch.from_numpy(blocks.random_blocks("Q4_0", 2 * 5, seed=2)).reshape(2, -1)
     first = ref.q4_gemv(w, x)
-    buffers = [t.data_ptr() for t in ref._XQ[(x.device, x.numel(), "Q4_0", S)]]
     assert torch.equal(ref.q4_gemv(w, x * 2), 2 * first)                # x's scale moves, its int8 do not
-    assert [t.data_ptr() for t in ref._XQ[(x.device, x.numel(), "Q4_0", S)]] == buffers
+    assert torch.equal(ref.q4_gemv(ref.q4_pack(w), ref.quantize_x(x)), first)
 
 
 def test_the_kernel_model_of_the_grader_is_the_quantized_product():
@@ -168,7 +173,7 @@ def test_the_kernel_model_of_the_grader_is_the_quantized_product():
         "shift unmasked"])
 def test_q4_gemv_wrong_answers_fail_with_their_hint(answer, hint, ref):
     with pytest.raises(ExerciseFailed, match=hint):
-        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.VECS)
+        graders.check_q4_gemv(lab({"8.2": answer}).q4_gemv, "cpu", ref.BLOCKS)
 
 
 def test_q4_gemv_that_writes_into_x_fails_naming_it(ref):
@@ -177,7 +182,7 @@ def test_q4_gemv_that_writes_into_x_fails_naming_it(ref):
         x.zero_()
         return y
     with pytest.raises(ExerciseFailed, match="Q4_0 weights 1x32 .* your code changed its input x: read the inputs"):
-        graders.check_q4_gemv(writes_x, "cpu", ref.VECS)
+        graders.check_q4_gemv(writes_x, "cpu", ref.BLOCKS)
 
 
 def test_q4_gemv_refuses_what_it_cannot_read(ref):
@@ -186,7 +191,10 @@ def test_q4_gemv_refuses_what_it_cannot_read(ref):
     for bad, match in [(lambda: ref.q4_gemv(w, x[:32]), "vector of 64"), (lambda: ref.q4_gemv(w[:, :-1], x), "uint8"),
                        (lambda: ref.q4_gemv(w, x, qtype="Q8_0"), "Q4_0 and Q4_1"),
                        (lambda: ref.q4_gemv(w[:, ::2], x[:32]), "uint8|contiguous"),
-                       (lambda: ref.q4_gemv(w, x.double()), "float vector")]:
+                       (lambda: ref.q4_gemv(w, x.double()), "float vector"),
+                       (lambda: ref.q4_gemv(ref.q4_pack(w), x, qtype="Q4_1"), "packed Q4_0, not Q4_1"),
+                       (lambda: ref.q4_gemv(w, ref.quantize_x(x[:32])), "32 elements"),
+                       (lambda: ref.quantize_x(x[:40]), "whole blocks of 32")]:
         with pytest.raises(ValueError, match=match):
             bad()
 
@@ -244,7 +252,7 @@ def test_backend_stats_wrong_answers_fail_with_their_hint(answer, hint):
 def test_every_grade_draws_fresh_inputs(ref, checker, fn, monkeypatch, capsys):
     """Issue 46: each grade draws new blocks, vectors and logits: an answer that replays an earlier grade's answers
     fails, and what a right answer prints stays the same."""
-    extra = ("cpu", ref.VECS) if fn == "q4_gemv" else ()
+    extra = ("cpu", ref.BLOCKS) if fn == "q4_gemv" else ()
     grades_afresh(getattr(graders, checker), getattr(ref, fn), monkeypatch, capsys, *extra)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -129,3 +130,49 @@ def quantize_q8_rows(x) -> tuple[np.ndarray, np.ndarray]:
     v = x / np.where(d > 0, d, np.float32(1))[:, None]
     q = np.where(v >= 0, np.floor(v + np.float32(0.5)), -np.floor(np.float32(0.5) - v))
     return q.astype(np.int8), d.astype(np.float32)
+
+
+# --- what lab 08's q4_gemv takes (torch tensors; checked here, out of the lesson's way) -------------------------
+
+class Q4Packed(NamedTuple):
+    """A Q4_0/Q4_1 matrix laid out for a GEMV: nibbles `qs` (N, blocks * 16) uint8, scales `d` and minimums `m`
+    (Q4_1; else None) (N, blocks) float16, and its format's name: gguf's bytes in another order."""
+    qs: Any
+    d: Any
+    m: Any
+    qtype: str
+
+
+class QuantizedX(NamedTuple):
+    """A vector quantized per block of 32 (llama.cpp's Q8_1 activations): int8 `q` (K,) and, per block, `ds` =
+    (dx, dx * sum of its int8) float32 (K / 32, 2)."""
+    q: Any
+    ds: Any
+
+
+def q4_matrix(weights, qtype: str) -> BlockFormat:
+    """The format of `weights` if they are a matrix of gguf's Q4_0 or Q4_1 blocks (uint8 (N, blocks * bytes),
+    contiguous, torch); a ValueError naming what is wrong otherwise."""
+    f = fmt(qtype)
+    if f not in (Q4_0, Q4_1):
+        raise ValueError(f"q4_gemv reads Q4_0 and Q4_1 blocks, not {f.name}")
+    if str(weights.dtype) != "torch.uint8" or weights.dim() != 2 or weights.shape[1] % f.nbytes or not weights.shape[1]:
+        raise ValueError(f"weights must be uint8 (N, blocks x {f.nbytes}) as gguf lays out {f.name}; got "
+                         f"{weights.dtype} {tuple(weights.shape)}")
+    if not weights.is_contiguous():
+        raise ValueError("weights must be contiguous")
+    return f
+
+
+def float_vector(x, k: int | None = None) -> int:
+    """len(x) if x is a contiguous float32/float16/bfloat16 torch vector of whole blocks of 32 (of `k` elements,
+    if given); a ValueError naming what is wrong otherwise."""
+    kinds = ("torch.float32", "torch.float16", "torch.bfloat16")
+    if getattr(x, "dim", lambda: 0)() != 1 or str(x.dtype) not in kinds or x.shape[0] % 32 or not x.shape[0] \
+            or (k is not None and x.shape[0] != k):
+        want = f"{k} elements (the weights' K)" if k is not None else "whole blocks of 32"
+        raise ValueError(f"x must be a float vector of {want}, got {getattr(x, 'dtype', type(x).__name__)} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    return x.shape[0]

@@ -68,34 +68,27 @@ def check_dequantize_q4_1(f):
 
 # --- 8.2: the GEMV that never expands the weights -----------------------------------------------------------
 
-# (rows N, columns K, x's dtype): odd rows, odd block counts (Q4_0 rows that are not whole 32-bit words), rows that
-# end inside a step of the loop
+# (rows N, columns K, x's dtype): odd rows, odd block counts (Q4_0 rows that are not whole 32-bit words in gguf's
+# layout), rows that end inside a step of the loop
 GEMV_CASES = [(1, 32, "float32"), (7, 64, "float16"), (9, 32 * 37, "float32"), (24, 256, "bfloat16"),
               (5, 32 * 130, "float32")]
 
 
 def _kernel_model(data: np.ndarray, q: np.ndarray, dx: np.ndarray, qtype: str, lo, hi, swap=False):
-    """The lab's GEMV in float64, with the integer dot products of each word given: byte p of a row (padded with
-    zeros to whole 32-bit words) contributes lo[p] * xq_lo[p] + hi[p] * xq_hi[p] (swapped: lo with xq_hi, hi with
-    xq_lo), xq the int8 x along the row's bytes (0 at scale bytes); per block, dx * (d * (dot - ZERO * sum q) + m *
-    sum q). `lo`, `hi`: functions of the padded bytes (int64, shape (N, P)). Returns (y, the size of its terms)."""
+    """The lab's GEMV in float64, with the integer dot products of each word given: byte j of a block's 16 bytes of
+    nibbles contributes lo[j] * qx[j] + hi[j] * qx[16 + j] (swapped: lo with qx[16 + j], hi with qx[j]), qx the int8
+    x of the block; per block, dx * (d * (dot - ZERO * sum qx) + m * sum qx). `lo`, `hi`: functions of the nibble
+    bytes (int64, shape (N, blocks, 16); a word is 4 of them). Returns (y, the size of its terms)."""
     f = blocks.fmt(qtype)
     n, row_bytes = data.shape
-    nblk, off, zero = row_bytes // f.nbytes, 2 * len(f.scales), 8 if f is blocks.Q4_0 else 0
-    padded = -(-row_bytes // 4) * 4
-    b = np.zeros((n, padded), np.int64)
-    b[:, :row_bytes] = data
-    pos = (np.arange(nblk)[:, None] * f.nbytes + off + np.arange(16)[None, :]).ravel()
-    x_lo, x_hi = np.zeros(padded, np.int64), np.zeros(padded, np.int64)
-    x_lo[pos], x_hi[pos] = q[:, :16].ravel(), q[:, 16:].ravel()
+    nblk, zero = row_bytes // f.nbytes, 8 if f is blocks.Q4_0 else 0
+    scales = data.reshape(n, nblk, f.nbytes)
+    b = scales[:, :, f.nbytes - 16:].astype(np.int64)                             # (n, nblk, 16)
+    x_lo, x_hi = q[:, :16].astype(np.int64), q[:, 16:].astype(np.int64)            # (nblk, 16)
     if swap:
         x_lo, x_hi = x_hi, x_lo
-    terms = lo(b) * x_lo + hi(b) * x_hi                                           # (n, padded)
-    blk = np.minimum(np.arange(padded) // f.nbytes, nblk - 1)
-    dot, size = np.zeros((n, nblk)), np.zeros((n, nblk))
-    np.add.at(dot.T, blk, terms.T)
-    np.add.at(size.T, blk, np.abs(terms).T)
-    scales = data.reshape(n, nblk, f.nbytes)
+    terms = lo(b) * x_lo + hi(b) * x_hi                                           # (n, nblk, 16)
+    dot, size = terms.sum(axis=2).astype(np.float64), np.abs(terms).sum(axis=2).astype(np.float64)
     d = scales[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = scales[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if "m" in f.scales else 0 * d
     sq = q.astype(np.int64).sum(axis=1)                                           # (nblk,): the sum of q of x
@@ -111,10 +104,10 @@ def _signed_bytes(v):
 
 def _shifted_unmasked(b):
     """The four bytes of word >> 4 (an arithmetic shift), as dot4 reads them (signed): a byte's high nibble with
-    the next byte's low nibble above it, the top byte's high nibble sign-extended."""
+    the next byte's low nibble above it, the word's top byte's high nibble sign-extended."""
     nxt = np.zeros_like(b)
-    nxt[:, :-1] = b[:, 1:]
-    top = (np.arange(b.shape[1]) % 4 == 3)[None, :]
+    nxt[..., :-1] = b[..., 1:]
+    top = np.arange(b.shape[-1]) % 4 == 3
     return np.where(top, _signed_bytes(b) >> 4, _signed_bytes((b >> 4) | ((nxt & 0x0F) << 4)))
 
 
@@ -122,7 +115,7 @@ def _gemv_mistakes(data: np.ndarray, q: np.ndarray, dx: np.ndarray, qtype: str) 
     """Known wrong pairs of dot products, as whole products (float64) with the size of their terms, each with its
     hint."""
     low, high = (lambda b: b & 0x0F), (lambda b: b >> 4)
-    first = lambda g: (lambda b: g(b) * (np.arange(b.shape[1]) % 4 == 0)[None, :])     # byte 0 of each word only
+    first = lambda g: (lambda b: g(b) * (np.arange(b.shape[-1]) % 4 == 0))          # byte 0 of each word only
     none = lambda b: 0 * b
     model = lambda lo, hi, swap=False: _kernel_model(data, q, dx, qtype, lo, hi, swap)
     one_nibble = ("mask with 0x0F0F0F0F, one nibble in each of the word's 4 bytes: word & 0xF keeps byte 0's alone "
@@ -142,14 +135,14 @@ def _gemv_mistakes(data: np.ndarray, q: np.ndarray, dx: np.ndarray, qtype: str) 
     ]
 
 
-def check_q4_gemv(q4_gemv, device="cpu", vecs=32):
-    """q4_gemv(weights, x, qtype=...) against gguf's dequantization then a float64 product with x quantized as the
-    lab's kernel does it (`blocks.quantize_q8_rows`), for Q4_0 and Q4_1, odd row counts, rows that are not whole
-    words and block counts that end inside a step of the loop (a step: `vecs` 16-byte vectors of each row); x in
-    float32, float16 and bfloat16."""
+def check_q4_gemv(q4_gemv, device="cpu", blocks_per_step=32):
+    """q4_gemv(weights, x, qtype=...), weights as gguf lays them out, against gguf's dequantization then a float64
+    product with x quantized as the lab's kernel does it (`blocks.quantize_q8_rows`), for Q4_0 and Q4_1, odd row
+    counts, odd block counts and block counts that end inside a step of the loop (a step: `blocks_per_step` blocks
+    of a row); x in float32, float16 and bfloat16."""
     seed = grading_guard.fresh_seed()
     rng = np.random.default_rng(seed)
-    cases = GEMV_CASES + [(3, 32 * (2 * vecs * 16 // 18 + 3), "float16")]      # more than two steps, the last partial
+    cases = GEMV_CASES + [(3, 32 * (2 * blocks_per_step + 3), "float16")]      # more than two steps, the last partial
     failed = []      # (what, relative error, the hints of the known mistakes that give the answer's outputs)
     for qtype in ("Q4_0", "Q4_1"):
         for n, k, dtype in cases:

@@ -194,9 +194,13 @@ def test_q4_gemv_refuses_what_it_cannot_read(ref):
                        (lambda: ref.q4_gemv(w, x.double()), "float vector"),
                        (lambda: ref.q4_gemv(ref.q4_pack(w), x, qtype="Q4_1"), "packed Q4_0, not Q4_1"),
                        (lambda: ref.q4_gemv(w, ref.quantize_x(x[:32])), "32 elements"),
-                       (lambda: ref.quantize_x(x[:40]), "whole blocks of 32")]:
+                       (lambda: ref.quantize_x(x[:40]), "whole blocks of 32"),
+                       (lambda: ref.q4_gemv(w, x, torch.empty(4)[::2]), "contiguous float32")]:
         with pytest.raises(ValueError, match=match):
             bad()
+    assert ref.q4_gemv(w[:0], x).shape == (0,)          # no rows: an empty answer
+    one = torch.from_numpy(blocks.random_blocks("Q4_0", 1, seed=4).reshape(1, -1))     # 18 bytes: no aligned view
+    assert ref.q4_pack(one).qs.data_ptr() % 16 == 0
 
 
 # ---- 8.3 the numbers that compare two backends ------------------------------------------------------------------

@@ -2,12 +2,14 @@
 keep a lab runnable, NOT DONE / PASS / a loud failure, the reference answer for later cells, progress."""
 import json
 import os
+import re
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from utils import exercises, solutions
+from utils.base.paths import REPO_ROOT
 from utils.machinery import labs
 from utils.exercises import ExerciseFailed, check
 
@@ -299,3 +301,109 @@ def test_fresh_seeds_differ_and_changed_inputs_are_named():
     a, b = np.arange(4.0), np.arange(3.0)
     _, changed = grading_guard.changed_inputs((a, b), lambda x, y: x.__iadd__(1), names=["x", "y"])
     assert changed == ["x"]
+
+
+def test_a_lambda_that_names_itself_is_graded_not_a_recursion(build_dir, capsys):
+    """Issue 46's independent answers: `add = lambda x, y: torch.add(x, y)` names `add` (an attribute) and the
+    answer's hashes looked it up as itself for ever; it is graded like any answer."""
+    lab = exercises.Lab("99_demo")
+
+    def check_double(f):
+        exercises.check("f(3) == 6", f(3) == 6, "multiply by two")
+
+    f = _notebook_function("import operator\nf = lambda x: operator.mul(x, 2) if f else f\n", "f")
+    assert lab.grade("9.1", "double", check_double, f) is True
+
+
+def test_a_wrapper_that_never_launches_the_exercise_kernel_fails(build_dir, capsys, tmp_path):
+    """A wrapper that computes the answer some other way (torch) while the kernel holds any non-stub line is not
+    the kernel graded: the grade names the kernel that never ran; the same wrapper launching it passes."""
+    import torch
+
+    path = tmp_path / "kernel_mod.py"
+    path.write_text(KERNEL)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_mod", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lab = exercises.Lab("99_demo")
+
+    def check_double(f):
+        x = torch.arange(8.0)
+        exercises.check("doubled", torch.equal(f(x.clone()), 2 * x), "multiply by two")
+
+    def launches(x):
+        mod.k[(1,)](x, x.numel(), BLOCK=8)
+        return x
+
+    assert lab.grade("9.2", "double", check_double, launches, uses=[mod.k]) is True
+    with pytest.raises(ExerciseFailed, match="k never ran during the grade: the exercise is the kernel"):
+        lab.grade("9.2", "double", check_double, lambda x: x * 2, uses=[mod.k])
+    assert lab.status["9.2"] == "failed"
+
+
+def test_a_grader_table_or_a_course_function_changed_from_the_notebook_is_refused(build_dir, monkeypatch):
+    """Issue 46's independent answers: a grader's table shortened (in place too), one of utils.grading_guard's or
+    utils.simt's functions rebound, the course's reference module patched: the grade is refused, named; once
+    undone the same answer passes."""
+    import utils.graders.lab08 as g
+    from utils import grading_guard, simt
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    ex, answer = exercises.Lab("08_quantized_inference"), _decode_q4_1()
+    patches = [("utils.graders.lab08.GEMV_CASES", lambda: monkeypatch.setattr(g, "GEMV_CASES", g.GEMV_CASES[:1])),
+               ("utils.grading_guard.fresh_seed", lambda: monkeypatch.setattr(grading_guard, "fresh_seed", lambda: 1)),
+               ("utils.simt.run_kernel", lambda: monkeypatch.setattr(simt, "run_kernel", lambda *a, **k: None)),
+               ("utils.solutions.load('08').dequantize_q4_1",
+                lambda: monkeypatch.setattr(solutions.load("08"), "dequantize_q4_1", answer))]
+    for what, patch in patches:
+        patch()
+        with pytest.raises(ExerciseFailed, match=re.escape(what) + " was changed.*restart the kernel"):
+            ex.grade("8.1", "Q4_1", check_dequantize_q4_1, answer)
+        monkeypatch.undo()
+    kept = list(g.GEMV_CASES)
+    g.GEMV_CASES[:] = kept[:1]                         # in place
+    try:
+        with pytest.raises(ExerciseFailed, match="GEMV_CASES was changed"):
+            ex.grade("8.1", "Q4_1", check_dequantize_q4_1, answer)
+    finally:
+        g.GEMV_CASES[:] = kept
+    assert ex.grade("8.1", "Q4_1", check_dequantize_q4_1, answer) is True
+
+
+def test_a_lab_function_sealed_for_an_exercise_may_be_run_by_its_grader_not_by_the_answer(build_dir):
+    """Lab 01's 1.3 asks for q's strides; gpt2_qkv makes q: its grader runs it, an answer that runs it to read the
+    strides off is reaching for the answer."""
+    lab = exercises.Lab("99_demo")
+    make = _notebook_function("def make(n):\n    return list(range(n))\n", "make")
+
+    def check_len(f, make):
+        exercises.check("len", f(4) == len(make(4)), "count them")
+
+    honest = _notebook_function("def f(n):\n    return n\n", "f")
+    peeks = _notebook_function("def f(n):\n    return len(make(n))\n", "f", make=make)
+    assert lab.grade("9.1", "count", check_len, honest, make, sealed=[make]) is True
+    with pytest.raises(ExerciseFailed, match="the lab's make"):
+        lab.grade("9.1", "count", check_len, peeks, make, sealed=[make])
+
+
+def test_an_answer_that_swallows_the_time_limit_is_stopped_and_recorded_failed(build_dir, tmp_path):
+    """An answer looping around `except BaseException: pass` swallows every TimeLimit: after a few the grade records
+    the failure, says why on stderr and ends the process (a notebook's kernel restarts) instead of hanging."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "swallow.py"
+    script.write_text(
+        "import time\nfrom utils import exercises\nfrom utils.graders.lab08 import check_dequantize_q4_1\n"
+        "def dequantize_q4_1(b):\n    while True:\n        try:\n            time.sleep(0.2)\n"
+        "        except BaseException:\n            pass\n"
+        "exercises.Lab('08_quantized_inference').grade('8.1', 'Q4_1', check_dequantize_q4_1, dequantize_q4_1)\n")
+    env = {**os.environ, "COURSE_BUILD_DIR": str(build_dir), "COURSE_GRADE_TIMEOUT": "1",
+           "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 70 and "swallowed that 3 times" in run.stderr, (run.returncode, run.stderr[-500:])
+    progress = json.loads(exercises.progress_path().read_text())
+    assert any(e.get("status") == "failed" for section in progress.values() for lab in section.values()
+               for e in lab.values())

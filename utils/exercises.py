@@ -75,14 +75,16 @@ def source_hash(source: str) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def _graded_functions(fns) -> dict[str, object]:
+def _graded_functions(fns, _seen=None) -> dict[str, object]:
     """{name: function} for the functions and kernels among `fns`; a lambda stands for the functions it calls
-    by name, global or from its closure (`lambda: check(f())` grades f)."""
-    out = {}
+    by name, global or from its closure (`lambda: check(f())` grades f; a lambda that names itself, as in
+    `matmul = lambda a, b: torch.matmul(a, b)`, is looked into once)."""
+    out, seen = {}, set() if _seen is None else _seen
     for fn in fns:
         target = getattr(fn, "fn", fn)
-        if not inspect.isfunction(target):
+        if not inspect.isfunction(target) or id(target) in seen:
             continue
+        seen.add(id(target))
         if target.__name__ != "<lambda>":
             out.setdefault(target.__name__, fn)
             continue
@@ -97,7 +99,7 @@ def _graded_functions(fns) -> dict[str, object]:
                 called.append(cell.cell_contents)
             except ValueError:     # a closure variable not bound yet
                 pass
-        out.update({k: v for k, v in _graded_functions(called).items() if k not in out})
+        out.update({k: v for k, v in _graded_functions(called, seen).items() if k not in out})
     return out
 
 
@@ -245,8 +247,10 @@ class Lab:
         self._reference = None
         grading_guard.snapshot()      # the lab's setup cell: the functions graders rely on, before any learner cell ran
 
-    def grade(self, exercise: str, title: str, checker: Callable, *args, uses=()) -> bool:
+    def grade(self, exercise: str, title: str, checker: Callable, *args, uses=(), sealed=()) -> bool:
         """Run `checker(*args)`. Returns True (PASS) or False (NOT DONE); raises ExerciseFailed (wrong).
+        `uses`: the exercise's kernels and functions (each must be written, and a kernel launched); `sealed`: the
+        lab's own functions that hold the answer (the grader may call them, the answer may not).
 
         The grade is kept apart from the course's answers (`utils.grading_guard`): a checker or a function the
         graders use that this kernel replaced, an answer that calls the course's reference, one that runs past the
@@ -255,7 +259,10 @@ class Lab:
         self.titles[exercise] = title
         if unfinished(*uses):
             return self._not_done(exercise, title)
-        answer = answer_hashes(checker, *args, *uses)
+        try:
+            answer = answer_hashes(checker, *args, *uses)
+        except Exception:  # noqa: BLE001 - an answer whose source cannot be read is graded all the same
+            answer = {}
         graders = sys.modules.get(getattr(checker, "__module__", "") or "")
         genuine = {f"{graders.__name__}.{n}": f for n, f in (("check", check), ("call_answer", call_answer))
                    if graders is not None and hasattr(graders, n)}
@@ -264,10 +271,13 @@ class Lab:
             raise self._failed(exercise, title, answer, f"{'; '.join(replaced)} in this kernel: restart the kernel "
                                "and run the lab from the top (the grade is not given to a patched grader)")
         lambdas = {checker.__code__} if getattr(checker, "__name__", "") == "<lambda>" else set()
-        printed, watch = io.StringIO(), grading_guard.Watch({Lab.reference.fget.__code__}, lambdas)
+        sealed_codes = {Lab.reference.fget.__code__} | {c for f in sealed if (c := getattr(f, "__code__", None))}
+        printed, watch = io.StringIO(), grading_guard.Watch(sealed_codes, lambdas, uses)
         limit = grading_guard.limit_seconds(_on_gpu(args))
         try:
-            with grading_guard.seeds_drawn() as seeds, contextlib.redirect_stdout(printed), grading_guard.time_limit(limit), watch:
+            give_up = lambda why: self._set(exercise, title, "failed", answer)   # noqa: E731 - before the process ends
+            with grading_guard.seeds_drawn() as seeds, contextlib.redirect_stdout(printed), \
+                    grading_guard.time_limit(limit, give_up), watch:
                 checker(*args)
         except ExerciseFailed as exc:
             self._show(printed, failed=True)
@@ -294,6 +304,11 @@ class Lab:
         if watch.reached:
             self._show(printed, failed=True)
             raise self._failed(exercise, title, answer, _reached_hint(watch.reached))
+        if not_run := watch.not_run():
+            self._show(printed, failed=True)
+            raise self._failed(exercise, title, answer, f"{', '.join(not_run)} never ran during the grade: the "
+                               "exercise is the kernel, so the wrapper must launch it (an answer computed some other "
+                               "way is not graded as the kernel)")
         self._show(printed, failed=False)
         self._set(exercise, title, "passed", answer)
         print(f"PASS: exercise {exercise} ({title})")

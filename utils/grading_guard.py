@@ -35,15 +35,19 @@ class Watch:
     course's decides whose call it is, so a grader computing its reference is not the learner reaching for it, and
     a reference kernel launched through Triton still is."""
 
-    def __init__(self, sealed_codes=(), grading_codes=()):
+    def __init__(self, sealed_codes=(), grading_codes=(), kernels=()):
         self.sealed = set(sealed_codes)
         self.grading = set(grading_codes)     # the grading cell's own lambda: it calls the grader, as it should
         self.reached: list[str] = []
         self._before = None
+        self.kernels = [k for k in kernels if _is_kernel(k)]    # the exercise's Triton kernels: were they run?
+        self._launched: dict = {}             # id -> kernel launched (JITFunction.run; the interpreter's run)
 
     def _profile(self, frame, event, arg):
         if event != "call":
             return
+        if self.kernels and frame.f_code.co_name == "run" and _is_kernel(frame.f_locals.get("self")):
+            self._launched.setdefault(id(frame.f_locals["self"]), frame.f_locals["self"])
         name = frame.f_globals.get("__name__", "")
         if not (_answers_module(name) or frame.f_code in self.sealed):
             return
@@ -57,10 +61,19 @@ class Watch:
             if _learner_module(owner) or _answers_module(owner) or owner == "utils.exercises":
                 break
             f = f.f_back
-        if f is not None and _learner_module(owner) and owner != name:
-            what = f"{name}.{frame.f_code.co_name}" if frame.f_code not in self.sealed else "ex.reference"
+        if f is not None and _learner_module(owner) and (owner != name or frame.f_code in self.sealed):
+            what = f"{name}.{frame.f_code.co_name}" if frame.f_code not in self.sealed else (
+                "ex.reference" if name == "utils.exercises" else f"the lab's {frame.f_code.co_name}")
             if what not in self.reached:
                 self.reached.append(what)
+
+    def not_run(self) -> list[str]:
+        """The names of the exercise's kernels that the grade never ran: neither launched nor reached (at any
+        depth) from a kernel that was."""
+        reached = set()
+        for k in self._launched.values():
+            reached |= _reachable_codes(k)
+        return [k.fn.__name__ for k in self.kernels if k.fn.__code__ not in reached]
 
     def __enter__(self):
         self._before = sys.getprofile()
@@ -70,6 +83,22 @@ class Watch:
     def __exit__(self, *exc):
         sys.setprofile(self._before)
         return False
+
+
+def _is_kernel(obj) -> bool:
+    return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
+
+
+def _reachable_codes(kernel) -> set:
+    """The code of `kernel` and of every @triton.jit function it names, at any depth (compiled into it on a GPU)."""
+    codes, todo = set(), [kernel]
+    while todo:
+        fn = todo.pop().fn
+        if fn.__code__ in codes:
+            continue
+        codes.add(fn.__code__)
+        todo += [obj for n in fn.__code__.co_names if _is_kernel(obj := fn.__globals__.get(n))]
+    return codes
 
 
 # --- the graders themselves, and what they rely on, as the course wrote them ----------------------------------------
@@ -120,6 +149,99 @@ def replaced(checker: Callable, genuine: dict[str, Callable]) -> list[str]:
     now = _genuine_functions()
     out += [f"{key} was replaced" for key, fn in _GENUINE.items() if now.get(key) is not fn]
     out += [f"{key} was replaced" for key, fn in genuine.items() if _resolve(key) is not fn]
+    out += [f"{what} was changed" for what in _tampered() if f"{what} was replaced" not in out]
+    return list(dict.fromkeys(out))       # each once
+
+
+COURSE_MODULES = ("utils.graders.", "utils.simt", "utils.grading_guard", "utils.exercises", "utils.solutions",
+                  "utils.blocks", "utils.isa")
+_FRESH: dict[str, dict] = {}      # a course module's globals as its source defines them, executed apart
+
+
+def _fresh_globals(module) -> dict:
+    """`module`'s globals as its file defines them: executed once, in a module object of its own (what the notebook
+    did to the loaded one does not reach it)."""
+    import importlib.util
+
+    name = module.__name__
+    if name not in _FRESH:
+        spec = importlib.util.spec_from_file_location(name, module.__file__)
+        fresh = importlib.util.module_from_spec(spec)
+        loaded = sys.modules.get(name)
+        sys.modules[name] = fresh           # while it runs (dataclasses look their module up), then back
+        try:
+            spec.loader.exec_module(fresh)
+        finally:
+            sys.modules[name] = loaded
+        _FRESH[name] = vars(fresh)
+    return _FRESH[name]
+
+
+def _code_of(obj):
+    """The code of a function, of a decorated one, or of a Triton kernel; None for anything else."""
+    if not callable(obj) or isinstance(obj, type):
+        return None
+    try:
+        obj = getattr(obj, "__wrapped__", obj)
+        obj = obj.fn if _is_kernel(obj) else obj
+        return getattr(obj, "__code__", None)
+    except Exception:  # noqa: BLE001 - an object whose attributes raise (torch's class proxies) has no code here
+        return None
+
+
+def _as_written(have, want, depth=0) -> bool:
+    """Whether a value is what the module's source makes it: functions and kernels by their code, classes by their
+    methods, tables element by element, plain values by equality; what cannot be judged counts as the same."""
+    code = _code_of(want)
+    if code is not None:
+        return _code_of(have) == code
+    if depth > 6:
+        return True
+    if isinstance(want, type):
+        return isinstance(have, type) and all(_as_written(vars(have).get(n), v, depth + 1) for n, v in vars(want).items()
+                                              if _code_of(v) is not None)
+    if isinstance(want, (list, tuple)):
+        return type(have).__name__ == type(want).__name__ and len(have) == len(want) and all(
+            _as_written(h, w, depth + 1) for h, w in zip(have, want))
+    if isinstance(want, dict):
+        return isinstance(have, dict) and len(have) == len(want) and all(
+            k in have and _as_written(have[k], v, depth + 1) for k, v in want.items())
+    if isinstance(want, (bool, int, float, complex, str, bytes, set, frozenset, type(None))):
+        try:
+            return type(have) is type(want) and bool(have == want or (have != have and want != want))   # NaN: NaN
+        except Exception:  # noqa: BLE001 - values that do not compare are not judged
+            return True
+    if isinstance(want, type(sys)):                   # a module the source imports: by its name
+        return getattr(have, "__name__", None) == want.__name__
+    if hasattr(want, "__dict__") and type(have).__name__ == type(want).__name__:    # a record (a dataclass)
+        return _as_written(vars(have), vars(want), depth + 1)
+    return True
+
+
+def _tampered() -> list[str]:
+    """The globals of the course's grading modules now in memory that are not as their sources make them (a
+    grader's table shortened, a function of utils.simt or grading_guard rebound, a method patched); private
+    values (`_cache`) are the modules' own state and only their functions are judged."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        loaded = getattr(module, "__course_as_loaded__", None) if name.startswith(EXPORT_PREFIX) else None
+        if loaded is not None:          # a solution notebook imported by utils.solutions: its functions as loaded
+            lab = name[len(EXPORT_PREFIX):].split("_")[0]
+            out += [f"utils.solutions.load({lab!r}).{key}" for key, want in loaded.items() if not key.startswith("__")
+                    and _code_of(want) is not None and vars(module).get(key) is not want]
+            continue
+        if not name.startswith(COURSE_MODULES) or not getattr(module, "__file__", None):
+            continue
+        try:
+            fresh = _fresh_globals(module)
+        except Exception:  # noqa: BLE001 - a module that cannot run apart is not judged
+            continue
+        here = vars(module)
+        for key, want in fresh.items():
+            if key.startswith("__") or (key.startswith("_") and _code_of(want) is None and not isinstance(want, type)):
+                continue
+            if key not in here or not _as_written(here[key], want):
+                out.append(f"{name}.{key}")
     return out
 
 
@@ -244,20 +366,40 @@ class TimeLimit(BaseException):
     Exception` around the learner's call cannot swallow it)."""
 
 
+GIVE_UP_AFTER = 4      # alarms swallowed in a row: then the answer cannot be stopped from inside the process
+
+
 @contextlib.contextmanager
-def time_limit(seconds: float):
+def time_limit(seconds: float, on_give_up: Callable[[str], None] | None = None):
     """Raises TimeLimit in the code that runs past `seconds` (SIGALRM: the main thread of a process on Linux or
-    macOS; elsewhere no limit is set). Code inside a long C call is stopped when it returns."""
+    macOS; elsewhere no limit is set), again every 2 s should a bare `except:` swallow it. Code inside a long C call
+    is stopped when it returns. An answer that swallows it GIVE_UP_AFTER times (a loop around `except
+    BaseException: pass`) cannot be stopped from inside: `on_give_up(message)` records the verdict, the message goes
+    to stderr and the process ends (a notebook's kernel restarts): never a hang."""
     usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() and seconds > 0
     if not usable:
         yield
         return
+    message = f"too slow or never returned: the grading ran past its limit of {seconds:.0f} s"
+    alarms = []
 
     def expired(signum, frame):
-        raise TimeLimit(f"too slow or never returned: the grading ran past its limit of {seconds:.0f} s")
+        alarms.append(signum)
+        if len(alarms) >= GIVE_UP_AFTER:
+            final = (f"{message}, and the answer swallowed that {len(alarms) - 1} times (an `except` that catches "
+                     "everything, in a loop): the grade stops this Python process; restart the kernel and run the lab "
+                     "from the top")
+            with contextlib.suppress(Exception):
+                if on_give_up is not None:
+                    on_give_up(final)
+            with contextlib.suppress(Exception):
+                sys.__stderr__.write(f"FAIL: {final}\n")
+                sys.__stderr__.flush()
+            os._exit(70)
+        raise TimeLimit(message)
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 5.0)      # again every 5 s, should a bare `except:` swallow one
+    signal.setitimer(signal.ITIMER_REAL, seconds, 2.0)
     try:
         yield
     finally:

@@ -326,33 +326,105 @@ def _one_job(kernel, job: dict):
     except ValueError:
         raise   # a bad target or argument: the caller's mistake, not the compiler's
     except Exception as err:  # noqa: BLE001 - Triton raises assertion and compilation errors alike
-        lines = [line for line in str(err).strip().splitlines() if line.strip()]
-        return CompileError(f"{type(err).__name__}: {lines[-1] if lines else ''}")
+        return CompileError(compiler_message(error_chain(err), _source_of(kernel)))
+
+
+def _source_of(kernel) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(getattr(kernel, "fn", kernel))
+    except (OSError, TypeError):
+        return ""
+
+
+def error_chain(err: BaseException) -> list[list[str]]:
+    """[[type name, message], ...] of an exception and those it came from (__cause__, else __context__)."""
+    chain = []
+    while err is not None and len(chain) < 16:
+        chain.append([type(err).__name__, str(err)])
+        err = err.__cause__ or err.__context__
+    return chain
+
+
+def compiler_message(chain: list[list[str]], source: str = "") -> str:
+    """The compiler's error in a line: the innermost message of an `error_chain`, and the line of `source` (the
+    kernel's) that it points at (the deepest excerpt whose caret points into that source, not into
+    triton.language's), as `Kind: message (at `line`)`."""
+    kind, text = chain[-1]
+    lines = text.strip().split("\n")
+    carets = [i for i, line in enumerate(lines) if line.strip() == "^"]
+    said = " ".join(line.strip() for line in lines[carets[-1] + 1:]) if carets else lines[0]
+    message = f"{kind}: {re.sub(r' at 0x[0-9a-f]+', '', said.strip()) or '(no message)'}"
+    for _, text in reversed(chain):
+        lines = text.split("\n")
+        pointed = [lines[i - 1].strip() for i, line in enumerate(lines) if line.strip() == "^" and i > 0]
+        if pointed and pointed[-1] and source and pointed[-1] in source:
+            return f"{message} (at `{pointed[-1]}`)"
+    return message
+
+
+def is_kernel(obj) -> bool:
+    return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
+
+
+def kernel_source(kernel) -> str:
+    """Python source that defines `kernel` in a fresh process: the @triton.jit functions it reaches (at any depth),
+    and the modules, triton.language functions and constants they name; a Python function one calls is a stand-in
+    of that name, which the compiler refuses as it would the real one. (Under the interpreter the compiler must run
+    in another process.) Raises OSError or TypeError where inspect cannot read a source."""
+    import inspect
+    import textwrap
+    import types
+
+    import triton.language as tl
+
+    parts, seen, todo = [], set(), [kernel]
+    while todo:
+        fn = todo.pop().fn
+        parts.append(textwrap.dedent(inspect.getsource(fn)))
+        for name in fn.__code__.co_names:
+            if name in seen or name not in fn.__globals__:
+                continue
+            seen.add(name)
+            obj = fn.__globals__[name]
+            if is_kernel(obj):
+                todo.append(obj)
+                if obj.fn.__name__ != name:           # a kernel bound to another name than its def's
+                    parts.append(f"{name} = {obj.fn.__name__}")
+            elif isinstance(obj, types.ModuleType):
+                parts.insert(0, f"import {obj.__name__}\n{name} = sys.modules[{obj.__name__!r}]")
+            elif isinstance(obj, tl.constexpr):
+                parts.insert(0, f"{name} = tl.constexpr({obj.value!r})")
+            elif isinstance(obj, tl.dtype):
+                parts.insert(0, f"{name} = tl.dtype({obj.name!r})")
+            elif getattr(obj, "__module__", "").startswith("triton") and hasattr(obj, "__qualname__"):
+                parts.insert(0, f"import {obj.__module__}\n{name} = {obj.__module__}.{obj.__qualname__}")
+            elif isinstance(obj, float):
+                parts.insert(0, f"{name} = float({repr(obj)!r})")
+            elif obj is None or isinstance(obj, (bool, int, str)):
+                parts.insert(0, f"{name} = {obj!r}")
+            elif isinstance(obj, types.FunctionType):
+                parts.insert(0, f"def {name}(*args, **kwargs):\n    pass")
+    # a helper reached twice is defined once (the first definition the walk met, dependencies after their callers:
+    # Python resolves a kernel's globals when it is compiled, so the order of the defs does not matter)
+    unique = list(dict.fromkeys(parts))
+    header = "import sys\nimport triton\nimport triton.language as tl\nfrom triton import jit"
+    return "\n\n".join([header] + unique) + "\n"
 
 
 def _compile_triton_elsewhere(kernel, signature, target=None, **kwargs):
     """`compile_triton` (or, given a list of jobs as `signature`, `compile_triton_many`) in a child process
-    without TRITON_INTERPRET. The child sees the kernel's source (from `inspect`) and that of the
-    `@triton.jit` functions it calls, with `triton` and `tl` imported; other globals (constants, Python
-    helpers) are not carried."""
-    import inspect
+    without TRITON_INTERPRET. The child gets `kernel_source(kernel)`: the kernel, every @triton.jit function it
+    reaches and the constants and modules they name."""
     import json
     import sys
-    import textwrap
 
     many = isinstance(signature, list)
     jobs = signature if many else [dict(signature=signature, target=target, **kwargs)]
     fn = getattr(kernel, "fn", kernel)
-    helpers = []
-    for name in fn.__code__.co_names:
-        obj = fn.__globals__.get(name)
-        if obj is not kernel and hasattr(obj, "fn") and callable(getattr(obj, "fn")) and \
-                type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
-            helpers.append(textwrap.dedent(inspect.getsource(obj.fn)))
-    source = "\n\n".join(helpers + [textwrap.dedent(inspect.getsource(fn))])
     script = "\n".join([
-        "import json, sys", "import triton", "import triton.language as tl", "from utils import isa", "",
-        source, "",
+        kernel_source(kernel), "import json", "from utils import isa", "",
         "jobs = json.loads(open(sys.argv[1]).read())",
         f"out = isa.compile_triton_many({fn.__name__}, jobs)",
         "print(json.dumps([{'error': str(o)} if isinstance(o, Exception) else {k: [v.text, v.command] for k, v in o.items()}",

@@ -216,4 +216,5 @@ def load(lab: str, answers: dict | None = None, stubs: bool = False):
     except BaseException:
         del sys.modules[name]
         raise
+    module.__course_as_loaded__ = dict(vars(module))    # what a grade checks it against (utils.grading_guard)
     return module

@@ -215,6 +215,8 @@ def compile_hint(message: str, platform: str) -> str:
         return WAVEFRONT_SIZE_HINT
     if "warpSize" in message and re.search(r"constant|template argument|constexpr", message):
         return CONSTANT_HINT
+    if re.search(r"storage size of .* isn.t constant|variable[- ]length array", message):   # __shared__ x[warpSize]
+        return CONSTANT_HINT
     return ""
 
 

@@ -179,7 +179,8 @@ def check_matmul(matmul, device="cpu"):
             if torch.isnan(c).any():
                 check(name, False, "NaN in C: a load read outside a matrix (the checker puts NaN before and after "
                                    "each): mask both loads with offs_k < K - k * BLOCK_K (strictly less), other=0.0, "
-                                   "and move the pointers after loading")
+                                   "and move the pointers after loading, one step along K: a_ptrs by BLOCK_K * "
+                                   "stride_ak, b_ptrs by BLOCK_K * stride_bk")
             err = rel_error(c, a, b)
             if not err < tolerance:
                 check(name, False, f"relative error {err:.2e}, tolerance {tolerance:g}: {hint}")

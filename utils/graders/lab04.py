@@ -1,29 +1,25 @@
 """Lab 04's graders (exercises 4.1-4.4), with the seeded inputs they build and flash-attn's tolerance rule they apply."""
 import contextlib
 import hashlib
-import inspect
 import json
 import numbers
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
-import textwrap
 import types
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
-import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from utils import solutions
 from utils.base.paths import REPO_ROOT, build_dir
 from utils.exercises import ExerciseFailed, check, error_line, is_not_done, unfinished
-from utils import grading_guard
+from utils import grading_guard, isa
 
 LAYOUTS = ("contiguous", "model", "q_transposed", "v_transposed", "head_dim_slice", "kv_broadcast")
 
@@ -433,46 +429,6 @@ def _compile_call(kernel, target: str, causal: bool) -> dict:
     return call
 
 
-def _is_kernel(obj) -> bool:
-    return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
-
-
-def _carried_source(kernel) -> str:
-    """Python source that defines `kernel` in a fresh process: the @triton.jit functions it reaches (at any depth),
-    and the modules, triton.language functions and constants they name; a Python function one calls is a stand-in
-    of that name, which the compiler refuses as it would the real one. (Under the interpreter the compiler must run
-    in another process.)"""
-    parts, seen, todo = [], set(), [kernel]
-    while todo:
-        fn = todo.pop().fn
-        parts.append(textwrap.dedent(inspect.getsource(fn)))
-        for name in fn.__code__.co_names:
-            if name in seen or name not in fn.__globals__:
-                continue
-            seen.add(name)
-            obj = fn.__globals__[name]
-            if _is_kernel(obj):
-                todo.append(obj)
-                if obj.fn.__name__ != name:           # a kernel bound to another name than its def's
-                    parts.append(f"{name} = {obj.fn.__name__}")
-            elif isinstance(obj, types.ModuleType):
-                parts.insert(0, f"import {obj.__name__}\n{name} = sys.modules[{obj.__name__!r}]")
-            elif isinstance(obj, tl.constexpr):
-                parts.insert(0, f"{name} = tl.constexpr({obj.value!r})")
-            elif isinstance(obj, tl.dtype):
-                parts.insert(0, f"{name} = tl.dtype({obj.name!r})")
-            elif getattr(obj, "__module__", "").startswith("triton") and hasattr(obj, "__qualname__"):
-                parts.insert(0, f"import {obj.__module__}\n{name} = {obj.__module__}.{obj.__qualname__}")
-            elif isinstance(obj, float):
-                parts.insert(0, f"{name} = float({repr(obj)!r})")
-            elif obj is None or isinstance(obj, (bool, int, str)):
-                parts.insert(0, f"{name} = {obj!r}")
-            elif isinstance(obj, types.FunctionType):
-                parts.insert(0, f"def {name}(*args, **kwargs):\n    pass")
-    header = "import sys\nimport triton\nimport triton.language as tl\nfrom triton import jit"
-    return "\n\n".join([header] + parts) + "\n"
-
-
 # Run by a fresh process: defines the kernel from carried.py, builds it for each target as isa.compile_triton does,
 # and prints a line {target: null (built) or [[type, message], ...] (the error and what it came from)} for each.
 _BUILDER = """
@@ -491,10 +447,7 @@ for target, call in job["calls"].items():
     try:
         isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], target, **call["options"])
     except Exception as err:
-        chain = []
-        while err is not None:
-            chain.append([type(err).__name__, str(err)])
-            err = err.__cause__ or err.__context__
+        chain = isa.error_chain(err)
     print(json.dumps({target: chain}), flush=True)
 """
 
@@ -508,7 +461,7 @@ class _Build:
     def __init__(self, kernel, causal: bool):
         self.proc, self.folder, self.cached, self.source = None, None, None, ""
         try:
-            self.source = source = _carried_source(kernel)
+            self.source = source = isa.kernel_source(kernel)
         except (OSError, TypeError) as err:       # no source to carry (defined where inspect cannot read it)
             self.cached = {"carried": f"{type(err).__name__}: {err}"}
             return
@@ -565,28 +518,12 @@ def _building(attention, causal: bool):
     """The kernel `attention` launches (its global flash_attention) building for both GPUs while the block runs;
     yields its _Build (None when `attention` launches no Triton kernel of its own)."""
     kernel = getattr(attention, "__globals__", {}).get("flash_attention")
-    build = _Build(kernel, causal) if _is_kernel(kernel) else None
+    build = _Build(kernel, causal) if isa.is_kernel(kernel) else None
     try:
         yield build
     finally:
         if build is not None:
             build.stop()
-
-
-def _compiler_message(chain, source: str) -> str:
-    """The compiler's error: the innermost message of its chain, and the line of the kernel's source it points at
-    (the deepest excerpt whose caret points into that source, not into triton.language's)."""
-    kind, text = chain[-1]
-    lines = text.strip().split("\n")
-    carets = [i for i, line in enumerate(lines) if line.strip() == "^"]
-    said = " ".join(line.strip() for line in lines[carets[-1] + 1:]) if carets else lines[0]
-    message = f"{kind}: {re.sub(r' at 0x[0-9a-f]+', '', said.strip()) or '(no message)'}"
-    for _, text in reversed(chain):
-        lines = text.split("\n")
-        pointed = [lines[i - 1].strip() for i, line in enumerate(lines) if line.strip() == "^" and i > 0]
-        if pointed and pointed[-1] and pointed[-1] in source:
-            return f"{message} (at `{pointed[-1]}`)"
-    return message
 
 
 def _compiler_hint(message: str) -> str:
@@ -622,9 +559,9 @@ def _check_builds(build, causal: bool) -> None:
         why = theirs.get("carried") or theirs.get(target)
         if why:
             print(f"NOTE: {name}: {target} not checked here (Triton does not build the course's own kernel for it on "
-                  f"this machine either: {_compiler_message(why, course.source) if isinstance(why, list) else why})")
+                  f"this machine either: {isa.compiler_message(why, course.source) if isinstance(why, list) else why})")
             continue
-        message = _compiler_message(chain, build.source)
+        message = isa.compiler_message(chain, build.source)
         check(name, False, f"Triton's compiler refuses your kernel for {GPU_TARGETS[target][0]} (what the lab's "
                            f"compile_attention builds, with the tiles `attention` launches, BF16 inputs, "
                            f"{'causal' if causal else 'not causal'}), though it ran here (on a CPU, Triton's "

@@ -407,3 +407,38 @@ def test_an_answer_that_swallows_the_time_limit_is_stopped_and_recorded_failed(b
     progress = json.loads(exercises.progress_path().read_text())
     assert any(e.get("status") == "failed" for section in progress.values() for lab in section.values()
                for e in lab.values())
+
+
+@pytest.mark.parametrize("how", ["patches numpy while it runs", "patched math before the grade",
+                                 "calls the course's decoder", "calls gguf's decoder"])
+def test_an_answer_that_patches_a_library_or_calls_what_computes_the_answer_fails(build_dir, how, monkeypatch):
+    """Issue 46's independent answers: numpy.array_equal replaced by the answer itself, math.isclose replaced in an
+    earlier cell, and 8.1 answered with utils.blocks.dequantize or gguf's own dequantizer (what the grader checks
+    against): each fails, named, and is not recorded as passed."""
+    import math
+
+    import numpy as np
+
+    from utils import blocks
+    from utils.graders.lab08 import check_dequantize_q4_1
+
+    ex = exercises.Lab("08_quantized_inference")
+    zeros = "    return np.zeros((len(b), 32), np.float32)\n"
+    body = {"patches numpy while it runs": "    np.array_equal = lambda *a, **k: True\n" + zeros,
+            "patched math before the grade": "    return dec(b)\n",
+            "calls the course's decoder": "    return blocks.dequantize(b, 'Q4_1')\n",
+            "calls gguf's decoder": "    import gguf.quants\n    return gguf.quants.dequantize(b, gguf.GGMLQuantizationType.Q4_1)"
+                                    ".reshape(len(b), 32)\n"}[how]
+    answer = _notebook_function("def dequantize_q4_1(b):\n" + body, "dequantize_q4_1", np=np, blocks=blocks,
+                                dec=_decode_q4_1())
+    if how == "patched math before the grade":
+        monkeypatch.setattr(math, "isclose", _notebook_function("f = lambda *a, **k: True\n", "f"))
+    if how == "patches numpy while it runs":
+        monkeypatch.setattr(np, "array_equal", np.array_equal)      # put back after the test
+    want = {"patches numpy while it runs": "numpy.array_equal was replaced while the answer ran",
+            "patched math before the grade": "math.isclose was replaced",
+            "calls the course's decoder": r"utils\.blocks\.(dequantize|decode)",
+            "calls gguf's decoder": r"gguf\.quants"}[how]
+    with pytest.raises(ExerciseFailed, match=want):
+        ex.grade("8.1", "Q4_1", check_dequantize_q4_1, answer)
+    assert ex.status["8.1"] == "failed"

@@ -388,6 +388,8 @@ PREDICTIONS = {   # answer (None: the reference): None if right, else the parts 
     "wrong: forgets the heads": ("return batch * n * n * (2 + 4 + 4) * 2",
                                  ("at B=1 H=4", "each head has its own", "does not grow with the heads")),
     "wrong: raises": ("return batch * heads * n * n * (2 + 4 + 4) / d", ("raised NameError", "name 'd'")),
+    # issue 46's independent answers: no heads at all fails at the measured H=2, and the hint says so
+    "wrong: no heads at all": ("return 10 * batch * n * n", ("at B=1 H=2", "does not grow with the heads")),
     # the issue: a table of the cases an exercise tries (here the measured sizes, and twice their batch and heads)
     "wrong: right only at the sizes checked": ("return batch * heads * n * n * 10 if n in (64, 96) and batch * heads "
                                                "<= 4 else 0", ("drawn for this grade", "not only at the measured")),

@@ -300,7 +300,18 @@ RUNNABLE_ALT = """\
     table = {t: t for t in arch_list}
     if arch.startswith("gfx"):
         return table.get(arch) or table.get(doctor.family(arch))
-    return doctor.runnable_target(arch, arch_list)"""
+    for t in (arch, arch + "a"):
+        if t in table:
+            return t
+    def ver(t):
+        d = t.split("_", 1)[1]
+        return (int(d[:-1]), int(d[-1])) if d.isdigit() else None
+    mine = ver(arch)
+    same = sorted((ver(t), t) for t in arch_list if t.startswith("sm_") and ver(t) and ver(t)[0] == mine[0] and ver(t) <= mine)
+    ptx = sorted((ver(t), t) for t in arch_list if t.startswith("compute_") and ver(t) and ver(t) <= mine)
+    return (same or ptx or [(None, None)])[-1][1]"""
+# issue 46's independent answers: calling the course's own doctor.runnable_target is reaching for the answer
+RUNNABLE_PEEKS = "    return doctor.runnable_target(arch, arch_list)"
 RUNNABLE_WRONG = [
     ("    return arch if arch in arch_list else None", "no sm_89 code"),
     ("""\
@@ -343,6 +354,14 @@ def test_grader_7_1(ref):
         wrong = _answers("7.1", code)
         with pytest.raises(ExerciseFailed, match=hint):
             graders.check_runnable_target(wrong.runnable_target)
+
+
+def test_grader_7_1_an_answer_that_calls_the_course_doctor_fails(build_dir):
+    from utils import exercises
+
+    peeks = _answers("7.1", RUNNABLE_PEEKS).runnable_target
+    with pytest.raises(ExerciseFailed, match=r"utils\.clinic\.doctor\.runnable_target"):
+        exercises.Lab("07_porting_clinic").grade("7.1", "which code a GPU runs", graders.check_runnable_target, peeks)
 
 
 CULPRIT_ALT = """\

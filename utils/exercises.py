@@ -271,7 +271,8 @@ class Lab:
             raise self._failed(exercise, title, answer, f"{'; '.join(replaced)} in this kernel: restart the kernel "
                                "and run the lab from the top (the grade is not given to a patched grader)")
         lambdas = {checker.__code__} if getattr(checker, "__name__", "") == "<lambda>" else set()
-        sealed_codes = {Lab.reference.fget.__code__} | {c for f in sealed if (c := getattr(f, "__code__", None))}
+        sealed_codes = ({Lab.reference.fget.__code__} | {c for f in sealed if (c := getattr(f, "__code__", None))}
+                        | grading_guard.sealed_by(checker, args))
         printed, watch = io.StringIO(), grading_guard.Watch(sealed_codes, lambdas, uses)
         limit = grading_guard.limit_seconds(_on_gpu(args))
         try:
@@ -304,6 +305,11 @@ class Lab:
         if watch.reached:
             self._show(printed, failed=True)
             raise self._failed(exercise, title, answer, _reached_hint(watch.reached))
+        if changed := grading_guard.replaced(checker, genuine):      # done by the answer itself, while it ran
+            self._show(printed, failed=True)
+            raise self._failed(exercise, title, answer, f"{'; '.join(changed)} while the answer ran: restart the "
+                               "kernel and run the lab from the top (a grade is not given to an answer that changes "
+                               "its grader)")
         if not_run := watch.not_run():
             self._show(printed, failed=True)
             raise self._failed(exercise, title, answer, f"{', '.join(not_run)} never ran during the grade: the "

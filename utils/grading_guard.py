@@ -62,7 +62,8 @@ class Watch:
                 break
             f = f.f_back
         if f is not None and _learner_module(owner) and (owner != name or frame.f_code in self.sealed):
-            what = f"{name}.{frame.f_code.co_name}" if frame.f_code not in self.sealed else (
+            what = (f"{name}.{frame.f_code.co_name}" if frame.f_code not in self.sealed or not (
+                name == "utils.exercises" or _learner_module(name)) else
                 "ex.reference" if name == "utils.exercises" else f"the lab's {frame.f_code.co_name}")
             if what not in self.reached:
                 self.reached.append(what)
@@ -107,16 +108,18 @@ def _genuine_functions() -> dict[str, Callable]:
     """The comparison functions graders use, as imported: a notebook that replaced one (to make a check pass) is
     refused. Taken at the first grade of a kernel (`snapshot`), before any answer ran under a grader."""
     found = {}
+    for module_name in ("math", "numpy", "numpy.linalg", "torch", "torch.nn.functional", "torch.testing"):
+        module = sys.modules.get(module_name)
+        for name, value in (vars(module).items() if module is not None else ()):   # vars: no lazy attributes
+            if callable(value) and not name.startswith("_") and not isinstance(value, type(sys)):
+                found[f"{module_name}.{name}"] = value
     torch = sys.modules.get("torch")
     if torch is not None:
-        for name in ("allclose", "equal", "isclose", "isnan", "isfinite"):
-            found[f"torch.{name}"] = getattr(torch, name)
-        found["torch.testing.assert_close"] = torch.testing.assert_close
-        found["torch.Tensor.__eq__"] = torch.Tensor.__eq__
-    np = sys.modules.get("numpy")
-    if np is not None:
-        for name in ("allclose", "array_equal", "isclose"):
-            found[f"numpy.{name}"] = getattr(np, name)
+        for cls in (torch.Tensor, torch._C.TensorBase):
+            for name, value in vars(cls).items():
+                if callable(value) and (not name.startswith("_") or name in ("__eq__", "__ne__", "__lt__", "__le__",
+                                                                            "__gt__", "__ge__", "__bool__")):
+                    found.setdefault(f"torch.Tensor.{name}", value)
     return found
 
 
@@ -147,7 +150,9 @@ def replaced(checker: Callable, genuine: dict[str, Callable]) -> list[str]:
             out += [f"{module_name}.{n} was replaced" for n, v in vars(module).items()
                     if callable(v) and getattr(v, "__module__", None) == "__main__" and not n.startswith("__")]
     now = _genuine_functions()
-    out += [f"{key} was replaced" for key, fn in _GENUINE.items() if now.get(key) is not fn]
+    known = {id(f) for f in _GENUINE.values()}
+    out += [f"{key} was replaced" for key, fn in _GENUINE.items() if now.get(key) is not fn
+            and _by_a_learner(now.get(key), known)]
     out += [f"{key} was replaced" for key, fn in genuine.items() if _resolve(key) is not fn]
     out += [f"{what} was changed" for what in _tampered() if f"{what} was replaced" not in out]
     return list(dict.fromkeys(out))       # each once
@@ -245,6 +250,15 @@ def _tampered() -> list[str]:
     return out
 
 
+def _by_a_learner(value, known: set) -> bool:
+    """Whether a library function's new value is a learner's doing: code a notebook (or a lab imported with
+    answers) defined, a lambda, or another of the functions snapshotted (numpy.max = numpy.min); a library that
+    wraps a function when it is imported (transformers, vLLM) is not judged."""
+    module = getattr(value, "__module__", "") or ""
+    return (value is None or _learner_module(module) or getattr(value, "__name__", "") == "<lambda>"
+            or id(value) in known)
+
+
 def _graders_of(checker) -> list:
     """The graders a grade runs: the checker itself, or, for a lambda written in the grading cell
     (`lambda: check_add(...)`), the functions it calls; a lambda that calls no `utils.graders` function is itself
@@ -265,6 +279,21 @@ def _graders_of(checker) -> list:
             pass
     graders = [f for f in found if callable(f) and (getattr(f, "__module__", "") or "").startswith("utils.graders.")]
     return graders or [checker]
+
+
+def sealed_by(checker, args) -> set:
+    """The code of the functions the checker's graders name in `may_not_call`, each "module.function" (the
+    course's own function that computes the answer, or a library's) or "answer:function" (a function of the
+    answer's own namespace: the lab's cell that holds the answer, as `paged_attention_loop` holds 5.5's)."""
+    codes = set()
+    for grader in _graders_of(checker):
+        for entry in getattr(grader, "may_not_call", ()):
+            if entry.startswith("answer:"):
+                found = [getattr(a, "__globals__", {}).get(entry[len("answer:"):]) for a in args]
+            else:
+                found = [_resolve(entry)]
+            codes |= {c for f in found if (c := _code_of(f)) is not None}
+    return codes
 
 
 def _resolve(dotted: str):

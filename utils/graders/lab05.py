@@ -282,6 +282,10 @@ def check_paged_attention(f, device="cpu"):
     check("paged_attention", True, "")
 
 
+# what computes the answer: the grader may call it, the answer may not
+check_paged_attention.may_not_call = ('answer:paged_attention_loop',)
+
+
 # (what it tests, start, chunks as (arrival, tokens), end, the server's token count)
 METRIC_CASES = [
     ("a role-only first chunk and a usage chunk", 0.0,
@@ -385,3 +389,7 @@ def check_request_metrics(f):
                 check("request_metrics", False, f"{inputs}: {key} should be {shown(want[key])}, got "
                                                 f"{shown(got[key])}: " + _why(key, got[key], start, chunks, end, n))
     check("request_metrics", True, "")
+
+
+# what computes the answer: the grader may call it, the answer may not
+check_request_metrics.may_not_call = ('utils.llm.loadgen.request_metrics',)

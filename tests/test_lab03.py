@@ -621,3 +621,146 @@ def test_through_papermill_an_alternative_passes_then_a_wrong_k_loop_stops_with_
     assert "PASS: exercise 3.1 (FLOP per byte of a square matmul)" in text
     assert error and error[0] == "ExerciseFailed" and "several K steps" in error[1] and "move both pointers" in error[1]
     assert len(errors(nb)) == 1
+
+
+# --- FP8: exercise 3.6 (quantize with a scale), 3.7 (the scaled epilogue), fp8_matmul's contract ------------------
+
+QUANT_REFERENCE = """
+fmax = torch.finfo(dtype).max
+xf = x.float()
+magnitude = torch.where(xf.isfinite(), xf.abs(), 0.0)
+amax = magnitude.amax(dim=1, keepdim=True) if row_wise else magnitude.amax()
+scale = torch.where(amax > 0, amax / fmax, 1.0)
+return (xf / scale).clamp(-fmax, fmax).to(dtype), scale
+"""
+QUANT_RIGHT = {
+    "nan-aware max, reciprocal multiply": """
+info = torch.finfo(dtype)
+v = x.to(torch.float32)
+m = torch.nan_to_num(v.abs(), nan=0.0)
+amax = m.max(dim=-1, keepdim=True).values if row_wise else m.max()
+scale = (amax / info.max).clamp_min(torch.finfo(torch.float32).tiny)
+q = torch.clamp(v * (1.0 / scale), info.min, info.max).to(dtype)
+return q, scale.float()
+""",
+    "power-of-two scales (MX style)": """
+fmax = torch.finfo(dtype).max
+xf = x.float()
+amax = torch.where(torch.isnan(xf), torch.zeros_like(xf), xf.abs())
+amax = amax.amax(1, keepdim=True) if row_wise else amax.amax()
+scale = torch.exp2(torch.ceil(torch.log2(amax / fmax)))
+scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+return torch.clamp(xf / scale, -fmax, fmax).to(dtype), scale
+""",
+}
+QUANT_WRONG = {   # answer code: the hints it must get
+    "e4m3fn's max for every dtype": (QUANT_REFERENCE.replace("torch.finfo(dtype).max", "448.0"), "448 is e4m3fn's largest"),
+    "scale inverted": (QUANT_REFERENCE.replace("amax / fmax, 1.0", "fmax / amax, 1.0").replace("xf / scale", "xf * scale"),
+                       "max / amax"),
+    "no guard for zeros": (QUANT_REFERENCE.replace("torch.where(amax > 0, amax / fmax, 1.0)", "amax / fmax"), "a row of zeros"),
+    "NaN in the amax": (QUANT_REFERENCE.replace("torch.where(xf.isfinite(), xf.abs(), 0.0)", "xf.abs()"), "poison",
+                        ) if False else (QUANT_REFERENCE.replace("torch.where(xf.isfinite(), xf.abs(), 0.0)", "xf.abs()"),
+                                         "NaN in x made the amax NaN"),
+    "per column": (QUANT_REFERENCE.replace("amax(dim=1, keepdim=True)", "amax(dim=0, keepdim=True)"), "scale has shape"),
+    "scale without its dimension": (QUANT_REFERENCE.replace("dim=1, keepdim=True", "dim=1"), "keepdim=True"),
+    "no clamp": (QUANT_REFERENCE.replace(".clamp(-fmax, fmax)", "").replace("amax / fmax", "amax / fmax * 0.9"),
+                 "clipped"),
+    "NaN zeroed": (QUANT_REFERENCE.replace("(xf / scale)", "(xf.nan_to_num(0.0) / scale)"), "NaN must stay NaN"),
+    "the values left as float": (QUANT_REFERENCE.replace(".to(dtype), scale", ", scale"), "cast it"),
+    "a wasted range": (QUANT_REFERENCE.replace("amax / fmax, 1.0", "amax / 16, 1.0"), "below half the format's max"),
+    "scale in bfloat16": (QUANT_REFERENCE.replace("return (xf / scale)", "scale = scale.bfloat16()\nreturn (xf / scale.float())"),
+                          "must be float32"),
+    "changes x": (QUANT_REFERENCE.replace("xf = x.float()", "xf = x.float()\nx.zero_()"), "changed"),
+}
+
+
+def test_grader_3_6_reference_and_alternatives(lab):
+    graders.check_fp8_quantize(lab.quantize_fp8, DEVICE)
+    for name, code in QUANT_RIGHT.items():
+        graders.check_fp8_quantize(load({"3.6": code}).quantize_fp8, DEVICE)
+
+
+@pytest.mark.parametrize("mistake", QUANT_WRONG, ids=list(QUANT_WRONG))
+def test_grader_3_6_known_wrong(mistake):
+    code, *hint = QUANT_WRONG[mistake]
+    fails_with(lambda: graders.check_fp8_quantize(load({"3.6": code}).quantize_fp8, DEVICE), *hint)
+
+
+EPILOGUE_REFERENCE = """
+if ROW_WISE:
+    out = acc * tl.load(sa_ptr + offs_m)[:, None] * tl.load(sb_ptr + offs_n)[None, :]
+else:
+    out = acc * tl.load(sa_ptr) * tl.load(sb_ptr)
+"""
+EPILOGUE_RIGHT = """
+if ROW_WISE:
+    sa = tl.load(sa_ptr + offs_m)
+    sb = tl.load(sb_ptr + offs_n)
+    out = acc * (sa[:, None] * sb[None, :])
+else:
+    scale = tl.load(sa_ptr) * tl.load(sb_ptr)
+    out = scale * acc
+"""
+EPILOGUE_WRONG = {
+    "no scales": ("out = acc + 0.0", "the scales are missing"),
+    "scale_a only": (EPILOGUE_REFERENCE.replace(" * tl.load(sb_ptr + offs_n)[None, :]", "").replace(" * tl.load(sb_ptr)", ""),
+                     "only scale_a"),
+    "divided": (EPILOGUE_REFERENCE.replace("acc * tl.load(sa_ptr + offs_m)[:, None] * tl.load(sb_ptr + offs_n)[None, :]",
+                                           "acc / tl.load(sa_ptr + offs_m)[:, None] / tl.load(sb_ptr + offs_n)[None, :]")
+                .replace("acc * tl.load(sa_ptr) * tl.load(sb_ptr)", "acc / tl.load(sa_ptr) / tl.load(sb_ptr)"), "divided"),
+    "row-wise with the first scale only": ("out = acc * tl.load(sa_ptr) * tl.load(sb_ptr)", "one scale for every row"),
+    "rows and columns swapped": (EPILOGUE_REFERENCE.replace("tl.load(sa_ptr + offs_m)[:, None] * tl.load(sb_ptr + offs_n)[None, :]",
+                                                            "tl.load(sa_ptr + offs_n)[None, :] * tl.load(sb_ptr + offs_m)[:, None]"),
+                                 "scale_a went along the columns"),
+}
+
+
+def test_grader_3_7_reference_and_alternative(lab):
+    graders.check_fp8_matmul(lab.fp8_matmul, DEVICE)
+    graders.check_fp8_matmul(load({"3.7": EPILOGUE_RIGHT}).fp8_matmul, DEVICE)
+
+
+@pytest.mark.parametrize("mistake", EPILOGUE_WRONG, ids=list(EPILOGUE_WRONG))
+def test_grader_3_7_known_wrong(mistake):
+    code, *hint = EPILOGUE_WRONG[mistake]
+    fails_with(lambda: graders.check_fp8_matmul(load({"3.7": code}).fp8_matmul, DEVICE), *hint)
+
+
+def test_fp8_matmul_matches_scaled_mm_and_refuses_what_scaled_mm_refuses(lab):
+    """fp8_matmul against torch._scaled_mm (same operands, both scaling modes), and a ValueError naming the problem
+    for the other dialect, a mixed scaling, a wrong scale shape or dtype, and an out_dtype _scaled_mm does not take."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 64, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
+    b = torch.randn(32, 64, generator=gen).to(torch.float8_e4m3fn).to(DEVICE).T
+    for sa, sb in ((torch.tensor(0.5), torch.tensor(3.0)), (torch.rand(48, 1, generator=gen), torch.rand(1, 32, generator=gen))):
+        sa, sb = sa.to(DEVICE), sb.to(DEVICE)
+        want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).float()
+        got = lab.fp8_matmul(a, b, sa, sb).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    one = torch.tensor(1.0, device=DEVICE)
+    other = torch.float8_e4m3fnuz if DEVICE == "cpu" or not torch.version.hip else torch.float8_e4m3fn
+    for args, message in (((a.to(other) if False else a.float().to(other), b, one, one), "dialect"),
+                          ((a, b, torch.ones(48, 1, device=DEVICE), one), "both per tensor, or both row-wise"),
+                          ((a, b, torch.ones(47, 1, device=DEVICE), torch.ones(1, 32, device=DEVICE)), "shape (48, 1)"),
+                          ((a, b, one.double(), one), "float32"),
+                          ((a, b.T, one, one), "a's columns must equal b's rows"),
+                          ((a.float(), b, one, one), "quantize it to")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            lab.fp8_matmul(*args)
+    with pytest.raises(ValueError, match="out_dtype"):
+        lab.fp8_matmul(a, b, one, one, torch.float8_e4m3fn)
+    assert lab.fp8_matmul(a[:0], b, one, one).shape == (0, 32)
+    assert lab.fp8_matmul(a[:, :0], b[:0], one, one).abs().sum() == 0
+
+
+def test_fp8_formats_read_off_their_bits():
+    from utils import fp8
+
+    want = {"float8_e4m3fn": (448.0, 7, 2, 0, True), "float8_e4m3fnuz": (240.0, 8, 1, 0, False),
+            "float8_e5m2": (57344.0, 15, 6, 2, True), "float8_e5m2fnuz": (57344.0, 16, 1, 0, False)}
+    for name, (fmax, bias, nans, infs, negzero) in want.items():
+        b = fp8.FORMATS[name].bits()
+        assert (b["max"], b["bias"], b["nan_patterns"], b["infinities"], b["negative_zero"]) == (fmax, bias, nans, infs, negzero)
+    assert [fp8.dialect_of(a) for a in ("sm_90", "gfx942", "gfx950", "gfx90a", "sm_80", "cpu")] == \
+        ["ocp", "fnuz", "ocp", None, None, "ocp"]
+    assert fp8.FORMATS["float8_e4m3fn"].triton_name == "fp8e4nv" and fp8.FORMATS["float8_e4m3fnuz"].triton_name == "fp8e4b8"

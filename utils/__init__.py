@@ -21,6 +21,7 @@ The kit (what a lab's notebook imports):
     simt        a tiny SIMT machine: lanes in lock-step, divergence, masks (lab 02)
     stack       the software stack, and how to install what is missing
     blocks      block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K): bytes, fields, decoding
+    fp8         FP8 formats as records (OCP e4m3fn / e5m2, FNUZ e4m3fnuz / e5m2fnuz), each GPU's dialect, scaled-matmul checks
 
 Lab families:
     llm/        lab 05 (and 06, 07): models, decode (the lean decoder), serving, guard (the limits in front of

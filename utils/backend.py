@@ -35,6 +35,9 @@ class Backend:
     triton_backend: str = ""      # Triton's GPUTarget backend: "hip" | "cuda"
     # Triton targets the course compiles for ahead of time: name -> (arch as GPUTarget wants it, lanes)
     triton_targets: dict = field(default_factory=dict)
+    # the FP8 dialect each architecture's matrix units take: "ocp" (OCP's e4m3fn / e5m2) or "fnuz" (e4m3fnuz /
+    # e5m2fnuz: finite, no negative zero); an architecture not named has no FP8 matrix units (utils.fp8)
+    fp8_dialects: dict = field(default_factory=dict)
     topology_commands: tuple = ()  # commands that print how its GPUs are connected (utils.multigpu.topology)
     install_torch: str = ""       # how to get a PyTorch built for it (utils.clinic.doctor's advice)
 
@@ -96,7 +99,8 @@ ROCM = Backend(
     arch_property="gcnArchName", torch_version="hip",
     torch_module="cuda", compiler="hipcc", source_suffix=".hip", compiler_env={"HIP_PLATFORM": "amd"},
     triton_backend="hip",
-    triton_targets={"gfx942": ("gfx942", 64), "gfx90a": ("gfx90a", 64), "gfx1100": ("gfx1100", 32)},
+    triton_targets={"gfx942": ("gfx942", 64), "gfx950": ("gfx950", 64), "gfx90a": ("gfx90a", 64), "gfx1100": ("gfx1100", 32)},
+    fp8_dialects={"gfx942": "fnuz", "gfx950": "ocp"},   # MI300X / MI325X; MI350X / MI355X
     topology_commands=(("amd-smi", "topology"), ("rocm-smi", "--showtopo")),
     install_torch=f"a ROCm build of PyTorch: pip install torch --index-url {TORCH_INDEX}/rocm7.2 "
                   "(README: environment-rocm.yml)",
@@ -105,6 +109,7 @@ CUDA = Backend(
     name="cuda", vendor="NVIDIA", runtime="CUDA", lane_group="warp", unit="SMs", arch_prefix="sm_", torch_version="cuda",
     torch_module="cuda", compiler="nvcc", source_suffix=".cu", triton_backend="cuda",
     triton_targets={"sm_90": (90, 32), "sm_80": (80, 32)},
+    fp8_dialects={"sm_89": "ocp", "sm_90": "ocp", "sm_100": "ocp", "sm_120": "ocp"},   # Ada, Hopper, Blackwell
     topology_commands=(("nvidia-smi", "topo", "-m"),),
     install_torch=f"a CUDA build of PyTorch: pip install torch --index-url {TORCH_INDEX}/cu130 "
                   "(driver >= 580; cu126 for drivers >= 525)",

@@ -38,6 +38,7 @@ class DeviceInfo:
     peak_bandwidth_gbps: float | None = None
     peak_bf16_tflops: float | None = None
     peak_fp32_tflops: float | None = None
+    peak_fp8_tflops: float | None = None   # dense FP8 on the matrix units, where the data sheet states it
     spec: str | None = None           # the spec-table row the peaks come from
     runtime: str | None = None        # "HIP 6.4.x" / "CUDA 13.0"
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -154,6 +155,7 @@ def from_properties(props: Any, *, hip: str | None = None, cuda: str | None = No
         peak_bandwidth_gbps=row and row["peak_bandwidth_gbps"],
         peak_bf16_tflops=row and row["peak_bf16_tflops"],
         peak_fp32_tflops=row and row["peak_fp32_tflops"],
+        peak_fp8_tflops=row and row.get("peak_fp8_tflops"),
         spec=row and row["key"],
         runtime=runtime,
         notes=tuple(notes),

@@ -1,11 +1,11 @@
-"""Lab 03's graders (exercises 3.1-3.5) and the error measure and tolerances its checks of a BF16 matmul use."""
+"""Lab 03's graders (exercises 3.1-3.7) and the error measure and tolerances its checks of a BF16 matmul use."""
 import numbers
 import random
 
 import torch
 import triton
 
-from utils import grading_guard, solutions
+from utils import fp8, grading_guard, solutions
 from utils.exercises import call_answer, check, error_line, is_not_done
 
 TOLERANCE = {"cuda": 1e-2, "rocm": 2e-2, "cpu": 1e-2}   # relative Frobenius error of a BF16 product
@@ -375,3 +375,199 @@ def check_config(config, device="cpu", backend=None):
     except triton.runtime.errors.OutOfResources as err:
         check("fits this GPU", False, f"{err}. The tiles take {matmul_tile_bytes(config, backend) / 1024:.0f} KiB of "
               "shared memory: use smaller tiles or fewer stages")
+
+
+# --- 3.6: quantizing to FP8 with a scale -------------------------------------------------------------
+
+def _fp8_rows(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
+    """rows x cols float32 of mixed magnitudes (10^-3 to 10^3 per row), with the awkward rows the contract names:
+    all zeros, one huge outlier, all negative, a NaN."""
+    x = torch.randn(rows, cols, generator=gen) * 10.0 ** (torch.rand(rows, 1, generator=gen) * 6 - 3)
+    specials = torch.randperm(rows, generator=gen)[:4].tolist()
+    for kind, r in zip(("zeros", "outlier", "negative", "nan"), specials):
+        c = int(torch.randint(cols, (1,), generator=gen))
+        if kind == "zeros":
+            x[r] = 0.0
+        elif kind == "outlier":
+            x[r, c] = x[r].abs().max().clamp_min(1.0) * 1e4
+        elif kind == "negative":
+            x[r] = -x[r].abs()
+        elif cols > 1:
+            x[r, c] = float("nan")
+    return x
+
+
+def _fp8_step(y: torch.Tensor, fmt) -> torch.Tensor:
+    """The spacing of `fmt`'s values around |y| (float64): 2^(exponent - mantissa bits), the subnormals' below."""
+    info = torch.finfo(fmt.dtype)
+    e = torch.floor(torch.log2(y.abs().clamp_min(info.tiny)))
+    return 2.0 ** (e - fmt.mantissa_bits)
+
+
+def check_fp8_quantize(quantize_fp8, device="cpu"):
+    """quantize_fp8(x, row_wise, dtype) -> (q, scale) with x ~ q * scale, on fresh matrices with a row of zeros, one
+    huge outlier, negatives and a NaN (e4m3fn, e4m3fnuz and e5m2; float32 and bfloat16 x; per tensor and row-wise):
+    q is x / scale rounded to the nearest FP8 value, nothing saturates to inf or NaN, NaN stays NaN, each scale maps its
+    largest finite |x| into the format's top binade (max/2 to max); x is left as it was. A hint per usual slip."""
+    rng = random.Random(grading_guard.fresh_seed())
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    cases = [(fmt, row_wise, src) for fmt in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+             for row_wise in (False, True) for src in (torch.float32,)]
+    cases += [("float8_e4m3fn", True, torch.bfloat16), ("float8_e4m3fnuz", False, torch.bfloat16)]
+    for name, row_wise, src in cases:
+        fmt = fp8.FORMATS[name]
+        rows, cols = rng.randrange(5, 12), rng.randrange(1, 70)
+        x = _fp8_rows(gen, rows, cols).to(src).to(device)
+        what = f"{name}, {'row-wise' if row_wise else 'per tensor'}, x {rows}x{cols} {str(src).removeprefix('torch.')}"
+        label = f"quantize_fp8 to {what}"
+        out = call_answer(label, quantize_fp8, (x, row_wise, fmt.dtype), f"x {rows}x{cols}", names=["x"],
+                          hint=lambda e: "; a row-wise scale of shape (M,) lines up with the columns: keep the reduced "
+                          "dimension, amax(dim=1, keepdim=True)" if "must match the size" in str(e) else "")
+        _check_fp8_answer(label, out, x, fmt, row_wise)
+    print("PASS: FP8 quantization on fresh inputs (e4m3fn, e4m3fnuz, e5m2; per tensor and row-wise; zeros, an outlier, "
+          "negatives, NaN): nearest values, nothing saturated, NaN kept, scales in range")
+
+
+def _check_fp8_answer(label, out, x, fmt, row_wise):
+    fmax = fmt.max
+    if not (isinstance(out, tuple) and len(out) == 2):
+        check(label, False, f"return (q, scale), a tuple of two tensors, not {type(out).__name__}")
+    q, scale = out
+    if not isinstance(q, torch.Tensor) or q.dtype != fmt.dtype or q.shape != x.shape:
+        check(label, False, f"q must be a {fmt.name} tensor of x's shape {tuple(x.shape)}, not {_describe(q)}"
+              + ("; cast it: .to(dtype)" if isinstance(q, torch.Tensor) and q.shape == x.shape else ""))
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        check(label, False, f"the scale must be float32 (what torch._scaled_mm takes), not {_describe(scale)}")
+    rows = x.shape[0]
+    if row_wise and tuple(scale.shape) != (rows, 1):
+        hint = ("keep the reduced dimension: amax(dim=1, keepdim=True) gives shape (M, 1)" if tuple(scale.shape) == (rows,)
+                else "one scale per ROW: reduce along dim=1 (the columns of each row)" if scale.numel() == x.shape[1]
+                and x.shape[1] != rows else "row-wise: one scale per row of x, shape (M, 1)")
+        check(label, False, f"scale has shape {tuple(scale.shape)}: {hint}")
+    if not row_wise and scale.numel() != 1:
+        check(label, False, f"per tensor: one scale for all of x (shape ()), not shape {tuple(scale.shape)}")
+    xf = x.double().cpu()
+    s = scale.double().cpu().reshape(-1, 1) if row_wise else scale.double().cpu().reshape(1, 1)
+    qf = q.cpu().float().double()
+    finite = torch.isfinite(xf)
+    amax = torch.where(finite, xf.abs(), 0.0).amax(dim=1, keepdim=True)
+    if not row_wise:
+        amax = amax.max().reshape(1, 1)
+    if not bool((torch.isfinite(s) & (s > 0)).all()):
+        bad = int((~(torch.isfinite(s) & (s > 0))).nonzero()[0, 0])
+        hint = ("a row of zeros: its amax is 0, so its scale is 0 and x / scale is 0/0 = NaN: give such a row scale 1"
+                if amax[bad].item() == 0 else
+                "a NaN in x made the amax NaN (max propagates NaN): take the amax over finite values "
+                "(torch.where(x.isfinite(), x.abs(), 0))" if torch.isnan(xf[bad if row_wise else slice(None)]).any()
+                else "the scale must be a positive finite number")
+        check(label, False, f"scale {s[bad].item()!r} for {'row ' + str(bad) if row_wise else 'x'}: {hint}")
+    nan_x, nan_q = torch.isnan(xf), torch.isnan(qf)
+    over = (xf.abs() / s).where(finite, 0.0).amax()
+    if (nan_q & ~nan_x).any() or torch.isinf(qf).any():
+        if fmt.dialect == "fnuz" and bool((amax / s > fmax * 1.01).any()) and bool((amax / s <= 448 * 1.01).all()):
+            hint = (f"values above {fmax:g} became NaN: 448 is e4m3fn's largest value, {fmt.name}'s is {fmax:g} (the "
+                    "FNUZ dialect): take the max from torch.finfo(dtype).max")
+        else:
+            hint = (f"values beyond ±{fmax:g} turned into {'inf' if torch.isinf(qf).any() else 'NaN'}: the scale must make "
+                    f"the largest finite |x| at most {fmax:g}, and clamp x / scale to ±max before the cast")
+        check(label, False, hint)
+    if (nan_x & ~nan_q).any():
+        check(label, False, "a NaN in x came out as a number: NaN must stay NaN (clamp keeps NaN; nan_to_num on x or "
+              "a where() that zeroes it does not)")
+    ratio = amax / s
+    used = amax > 0
+    if bool((ratio[used] > fmax * (1 + 1e-5)).any()) or over > fmax * (1 + 1e-5):
+        inverted = bool(torch.allclose(s[used], (fmax / amax)[used], rtol=1e-3))
+        has_nan = torch.isnan(xf).any(dim=1, keepdim=True) if row_wise else torch.isnan(xf).any().reshape(1, 1)
+        if bool((has_nan & (s == 1) & (ratio > fmax * (1 + 1e-5))).any()):
+            check(label, False, "a NaN in x made the amax NaN (max propagates NaN), and its scale fell back to 1: take "
+                  "the amax over finite values (torch.where(x.isfinite(), x.abs(), 0))")
+        check(label, False, "the scale is max / amax: the course's scale is the dequantization factor, amax / max, so "
+              "that x ~ q * scale (torch._scaled_mm multiplies by it)" if inverted else
+              f"the largest |x| / scale is {ratio.max().item():.4g}, above {fmax:g}: those values were clipped; "
+              "scale = amax / torch.finfo(dtype).max")
+    if bool((ratio[used] < fmax / 2 * (1 - 1e-5)).any()):
+        bad = ratio[used].min().item()
+        check(label, False, f"a scale maps its largest |x| to {bad:.4g}, below half the format's max ({fmax:g}): "
+              "values lose precision to the smaller exponents (and the subnormals); scale = amax / max"
+              + (" of each ROW (amax along dim=1)" if row_wise else ""))
+    y = xf / s
+    ok = finite & (y.abs() <= fmax)
+    err = (qf - y).abs()
+    bound = _fp8_step(y, fmt) / 2 + y.abs() * 1e-6      # a tie may go either way after float32's own rounding
+    bad = ok & (err > bound)
+    if bad.any():
+        i, j = (int(v) for v in bad.nonzero()[0])
+        check(label, False, f"q is not x / scale rounded to the nearest {fmt.name} value, e.g. x[{i}, {j}] / scale = "
+              f"{y[i, j].item():.6g} became {qf[i, j].item():.6g}: divide x by the scale (the one you return) and cast "
+              "with .to(dtype)")
+
+
+# --- 3.7: the scaled epilogue of an FP8 matmul -------------------------------------------------------
+
+def _fp8_operands(gen, m, n, k, dtype, b_layout):
+    a = (torch.randn(m, k, generator=gen) * 4).to(dtype)
+    b = (torch.randn(n, k, generator=gen) * 4).to(dtype).T if b_layout == "column-major" else \
+        (torch.randn(k, n, generator=gen) * 4).to(dtype)
+    return a, b
+
+
+def _fp8_scales(gen, m, n, row_wise):
+    if row_wise:
+        return (torch.rand(m, 1, generator=gen) * 8 + 0.05), (torch.rand(1, n, generator=gen) * 0.5 + 0.01)
+    return (torch.tensor(2.0 ** float(torch.randint(-5, 6, (1,), generator=gen))) * 1.37,
+            torch.tensor(0.11 + float(torch.rand(1, generator=gen))))
+
+
+def check_fp8_matmul(fp8_matmul, device="cpu"):
+    """fp8_matmul(a, b, scale_a, scale_b, out_dtype) against (a * scale_a) @ (b * scale_b) in float64, per tensor and
+    row-wise, at printed and fresh sizes (ragged, B column- and row-major, scales far from 1 and different per row and
+    column), out_dtype bfloat16 and float32; a hint for each usual slip of the epilogue."""
+    dtype = fp8.e4m3_of(fp8.arch_of(device))
+    rng = random.Random(grading_guard.fresh_seed())
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    big = 300 if str(device).startswith("cuda") else 80
+    shapes = [(64, 64, 64), (37, 37, 50)] + [(rng.randrange(1, big), rng.randrange(1, big), rng.randrange(1, big))
+                                             for _ in range(2)]
+    for i, (m, n, k) in enumerate(shapes):
+        for row_wise in (False, True):
+            out_dtype = torch.float32 if i == 1 else torch.bfloat16
+            a, b = _fp8_operands(gen, m, n, k, dtype, "row-major" if i == 2 else "column-major")
+            sa, sb = _fp8_scales(gen, m, n, row_wise)
+            a, b, sa, sb = (t.to(device) for t in (a, b, sa, sb))
+            label = f"fp8_matmul {m}x{n}x{k}, {'row-wise' if row_wise else 'per-tensor'} scales, {str(out_dtype)[6:]} out"
+            c = call_answer(label, fp8_matmul, (a, b, sa, sb, out_dtype), f"a {m}x{k}, b {k}x{n}",
+                            hint=lambda e: "; scale_a holds M values (rows: offs_m), scale_b N (columns: offs_n)"
+                            if "out of bounds" in str(e).lower() or "illegal" in str(e).lower() else "",
+                            names=["a", "b", "scale_a", "scale_b", "out_dtype"])
+            if not isinstance(c, torch.Tensor) or tuple(c.shape) != (m, n) or c.dtype != out_dtype:
+                check(label, False, f"return an {m}x{n} {out_dtype} tensor, not {_describe(c)}")
+            _check_fp8_product(label, c, a, b, sa, sb, out_dtype)
+    print("PASS: fp8_matmul's scaled epilogue: per tensor and row-wise, ragged sizes, both B layouts, bfloat16 and "
+          "float32 out, fresh inputs")
+
+
+def _check_fp8_product(label, c, a, b, sa, sb, out_dtype):
+    acc = a.double().cpu() @ b.double().cpu()
+    sa64, sb64 = sa.double().cpu().reshape(-1, 1), sb.double().cpu().reshape(1, -1)
+    want = acc * sa64 * sb64
+    got = c.double().cpu()
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    rel = lambda ref: ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    if rel(want) <= tol:
+        return
+    m, n = acc.shape
+    models = [(acc, "the scales are missing: multiply the accumulator by scale_a and scale_b"),
+              (acc * sa64, "only scale_a is applied: multiply by scale_b too"),
+              (acc * sb64, "only scale_b is applied: multiply by scale_a too"),
+              (acc / sa64 / sb64, "the accumulator is divided by the scales: x ~ q * scale, so the product multiplies"),
+              (acc * sa64.reshape(-1)[0] * sb64.reshape(-1)[0],
+               "one scale for every row and column: row-wise, load scale_a at the tile's rows (offs_m) and scale_b at "
+               "its columns (offs_n)")]
+    if m == n and sa64.numel() == m and sb64.numel() == n:
+        models.append((acc * sb64.reshape(-1, 1) * sa64.reshape(1, -1),
+                       "scale_a went along the columns and scale_b along the rows: scale_a[offs_m][:, None], "
+                       "scale_b[offs_n][None, :]"))
+    hint = next((h for ref, h in models if rel(ref) <= max(tol, 1e-2)),
+                "compute acc * scale_a * scale_b: per tensor one value each, row-wise scale_a per row and scale_b per column")
+    check(label, False, f"relative error {rel(want):.3g} against (a * scale_a) @ (b * scale_b): {hint}")

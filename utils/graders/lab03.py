@@ -552,7 +552,8 @@ def _check_fp8_product(label, c, a, b, sa, sb, out_dtype):
     sa64, sb64 = sa.double().cpu().reshape(-1, 1), sb.double().cpu().reshape(1, -1)
     want = acc * sa64 * sb64
     got = c.double().cpu()
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    # float32 out: Hopper's FP8 tensor cores accumulate with fewer bits than FP32 (7e-5 seen on an H200 at K = 50)
+    tol = 1e-3 if out_dtype == torch.float32 else 1e-2
     rel = lambda ref: ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
     if rel(want) <= tol:
         return
@@ -568,6 +569,7 @@ def _check_fp8_product(label, c, a, b, sa, sb, out_dtype):
         models.append((acc * sb64.reshape(-1, 1) * sa64.reshape(1, -1),
                        "scale_a went along the columns and scale_b along the rows: scale_a[offs_m][:, None], "
                        "scale_b[offs_n][None, :]"))
-    hint = next((h for ref, h in models if rel(ref) <= max(tol, 1e-2)),
+    differs = lambda ref: ((ref - want).norm() / want.norm().clamp_min(1e-300)).item() > 0.1
+    hint = next((h for ref, h in models if differs(ref) and rel(ref) <= max(tol, 1e-2)),
                 "compute acc * scale_a * scale_b: per tensor one value each, row-wise scale_a per row and scale_b per column")
     check(label, False, f"relative error {rel(want):.3g} against (a * scale_a) @ (b * scale_b): {hint}")

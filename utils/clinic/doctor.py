@@ -447,6 +447,12 @@ def rows(facts: Facts) -> list[tuple[str, str]]:
         ("kernels for", " ".join(facts.arch_list) or "-"),
         ("Triton", triton),
     ]
+    arch = facts.torch_arch or facts.hw_arch
+    plat = backend.for_arch(arch) if arch else None
+    if plat:
+        dialect = plat.fp8_dialects.get(arch)
+        out.append(("FP8 dialect", {"ocp": "OCP (float8_e4m3fn, float8_e5m2)", "fnuz": "FNUZ (float8_e4m3fnuz, float8_e5m2fnuz)"}
+                    .get(dialect, "none: no FP8 matrix units the course knows of") + f" on {arch} (lab 03, section 8)"))
     if facts.env:
         out.append(("environment", " ".join(f"{k}={v}" for k, v in sorted(facts.env.items()))))
     return out

@@ -10,6 +10,7 @@ from an edited config. `inject(model, "c")` is a context manager: the model is a
     (c) rightpad  an attention kernel that takes sequence lengths and assumes right padding, given a left-padded batch
     (d) rope      the RoPE base lost in a config conversion: 10000 (LlamaConfig's default) instead of the model's
     (e) target    the GPU's code object is missing: PyTorch built for other targets (the doctor explains it)
+    (f) fp8       an FP8 checkpoint (OCP e4m3fn, a scale per row) whose bytes are read as MI300X's FNUZ e4m3fnuz
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import copy
 from dataclasses import dataclass
 
 import torch
+
+from utils import fp8
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ FAULTS = {
     "e": Fault("e", "kernel compiled for another target",
                "a PyTorch build without the GPU's architecture: the weights load, the first kernel launch fails",
                "model.embed_tokens"),
+    "f": Fault("f", "FP8 checkpoint read in the other dialect",
+               "the decoder's linear layers quantized to OCP float8_e4m3fn with a scale per row (an NVIDIA or MI355X "
+               "checkpoint), their bytes read as float8_e4m3fnuz (MI300X's FNUZ dialect): every weight half its value, "
+               "and any -0.0 byte a NaN", "model.layers.0.self_attn.q_proj"),
 }
 WRONG_ROPE_THETA = 10000.0
 
@@ -215,6 +222,34 @@ def lanes_norm(model, width: int, offsets):
             h.remove()
 
 
+def _linear_hook(weight: torch.Tensor):
+    def hook(module, args, output):
+        bias = None if module.bias is None else module.bias.to(output.dtype)
+        return torch.nn.functional.linear(args[0], weight.to(output.device, output.dtype), bias)
+    return hook
+
+
+@contextlib.contextmanager
+def fp8_weights(model, written=torch.float8_e4m3fn, read_as=torch.float8_e4m3fnuz):
+    """For the block, every nn.Linear of the decoder layers computes with its weight quantized to `written` (a float32
+    scale per row) and its bytes read back as `read_as`, then scaled: fault (f) with the defaults; its fix reads them
+    as they were written (`read_as=written`). Yields {module name: (bytes that are NaN when read, of how many)}."""
+    handles, stats = [], {}
+    try:
+        for name, m in model.model.layers.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                q, scale = fp8.quantize_rows(m.weight, written)
+                w = q.view(torch.uint8).view(read_as).float() * scale
+                stats[f"model.layers.{name}"] = (int(torch.isnan(w).sum()), w.numel())
+                handles.append(m.register_forward_hook(_linear_hook(w)))
+        if not handles:
+            raise ValueError("fault (f) found no nn.Linear in the model's decoder layers")
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def inject(model, key: str, *, lanes: int = 64):
     """Switch fault `key` on in `model` for the block (see the module's docstring); `lanes` is the wavefront
@@ -237,6 +272,10 @@ def inject(model, key: str, *, lanes: int = 64):
             restore.append(lambda: setattr(model.model, "rotary_emb", original))
         elif key == "e":
             handles.append(model.model.embed_tokens.register_forward_pre_hook(_raise_missing_code_object))
+        elif key == "f":
+            read = fp8_weights(model)
+            read.__enter__()
+            restore.append(lambda: read.__exit__(None, None, None))
         yield model
     finally:
         for h in handles:

@@ -100,7 +100,7 @@ def test_masks_left_and_right_padding():
 
 def test_the_unmodified_model_does_not_diverge_and_inject_restores_it(tiny):
     model, captured, ref = tiny
-    for key in "abcd":
+    for key in "abcdf":
         with faults.inject(model, key):
             pass
     found = dv.find(captured, model)
@@ -114,6 +114,7 @@ def test_the_unmodified_model_does_not_diverge_and_inject_restores_it(tiny):
     ("b", "lm_head", "lm_head"),
     ("c", "model.layers.0.self_attn", "model.layers.0.self_attn.o_proj"),
     ("d", "model.rotary_emb", "model.rotary_emb"),
+    ("f", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj"),
 ])
 def test_the_finder_names_the_injected_module(tiny, key, culprit, first):
     model, captured, ref = tiny
@@ -127,6 +128,24 @@ def test_the_finder_names_the_injected_module(tiny, key, culprit, first):
     same = dv.compare_tokens(ref, tokens)
     if key == "c":    # only the padded sequences go wrong
         assert same.first_mismatch[0] is None and same.first_mismatch[2] is not None
+
+
+def test_fault_f_halves_the_weights_and_reading_them_as_written_leaves_fp8_rounding(tiny):
+    """OCP e4m3fn bytes read as FNUZ e4m3fnuz are half their values (q_proj's error on its own inputs 0.5); read as
+    written, only FP8's rounding remains (a few percent); the doctor names each GPU's dialect."""
+    from utils.clinic import doctor
+
+    model, captured, ref = tiny
+    with faults.inject(model, "f"):
+        broken = dv.find(captured, model)
+    with faults.fp8_weights(model, read_as=torch.float8_e4m3fn) as read:
+        fixed = dv.find(captured, model)
+    q = "model.layers.0.self_attn.q_proj"
+    assert abs(broken.row(q).isolated - 0.5) < 0.02 and fixed.row(q).isolated < 0.1
+    assert q in read and all(nan == 0 for nan, _ in read.values())
+    rows = {name: doctor.report(doctor.load_fixture(name)) for name in ("mi300x", "h100", "gfx1151")}
+    assert "FNUZ (float8_e4m3fnuz" in rows["mi300x"] and "OCP (float8_e4m3fn" in rows["h100"]
+    assert "none: no FP8 matrix units" in rows["gfx1151"]
 
 
 def test_fault_e_fails_at_the_first_kernel(tiny):

@@ -135,6 +135,13 @@ def for_arch(arch: str | None) -> Backend | None:
     return next((b for b in GPUS if arch and arch.startswith(b.arch_prefix)), None)
 
 
+def fp8_dialect_of(arch: str | None) -> str | None:
+    """The FP8 dialect ("ocp" | "fnuz") the matrix units of `arch` take, from its backend's record; None where the
+    course knows of no FP8 matrix units (gfx90a, sm_80) or of no such architecture."""
+    plat = for_arch(arch)
+    return plat.fp8_dialects.get(arch) if plat else None
+
+
 def for_vendor(vendor: str | None) -> Backend | None:
     return next((b for b in GPUS if vendor and b.vendor.upper() in vendor.upper()), None)
 

@@ -64,10 +64,7 @@ def of(dtype) -> FP8Format | None:
 def dialect_of(arch: str) -> str | None:
     """The FP8 dialect a GPU architecture's matrix units take ("ocp" | "fnuz"), None where they have no FP8
     (gfx90a, sm_80) or the architecture is unknown; "ocp" for the CPU (what torch._scaled_mm takes there)."""
-    if arch == "cpu":
-        return "ocp"
-    plat = _backends.for_arch(arch)
-    return plat.fp8_dialects.get(arch) if plat else None
+    return "ocp" if arch == "cpu" else _backends.fp8_dialect_of(arch)
 
 
 def arch_of(device) -> str:
@@ -120,7 +117,7 @@ def check_scaled_operands(a, b, scale_a, scale_b, out_dtype, arch: str) -> bool:
             raise ValueError(f"{name} must be a 2-D tensor, not {getattr(t, 'shape', type(t).__name__)}")
         if t.dtype != want:
             got = of(t.dtype)
-            why = (f"{got.name} is the {got.dialect.upper()} dialect and {arch} takes {E4M3[dialect_of(arch)].dialect.upper()}'s "
+            why = (f"{got.name} is the {got.dialect.upper()} dialect and {arch} takes {dialect_of(arch).upper()}'s "
                    f"{want}: the same bits mean other values (e4m3fnuz's bias is 8, e4m3fn's 7: a factor of 2); "
                    f"quantize again from the higher-precision weights") if got else f"quantize it to {want} first"
             raise ValueError(f"{name} is {t.dtype}: {why}")

@@ -448,9 +448,8 @@ def rows(facts: Facts) -> list[tuple[str, str]]:
         ("Triton", triton),
     ]
     arch = facts.torch_arch or facts.hw_arch
-    plat = backend.for_arch(arch) if arch else None
-    if plat:
-        dialect = plat.fp8_dialects.get(arch)
+    if backend.for_arch(arch):
+        dialect = backend.fp8_dialect_of(arch)
         out.append(("FP8 dialect", {"ocp": "OCP (float8_e4m3fn, float8_e5m2)", "fnuz": "FNUZ (float8_e4m3fnuz, float8_e5m2fnuz)"}
                     .get(dialect, "none: no FP8 matrix units the course knows of") + f" on {arch} (lab 03, section 8)"))
     if facts.env:

@@ -273,9 +273,9 @@ def inject(model, key: str, *, lanes: int = 64):
         elif key == "e":
             handles.append(model.model.embed_tokens.register_forward_pre_hook(_raise_missing_code_object))
         elif key == "f":
-            read = fp8_weights(model)
-            read.__enter__()
-            restore.append(lambda: read.__exit__(None, None, None))
+            stack = contextlib.ExitStack()
+            stack.enter_context(fp8_weights(model))
+            restore.append(stack.close)
         yield model
     finally:
         for h in handles:

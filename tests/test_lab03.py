@@ -764,3 +764,84 @@ def test_fp8_formats_read_off_their_bits():
     assert [fp8.dialect_of(a) for a in ("sm_90", "gfx942", "gfx950", "gfx90a", "sm_80", "cpu")] == \
         ["ocp", "fnuz", "ocp", None, None, "ocp"]
     assert fp8.FORMATS["float8_e4m3fn"].triton_name == "fp8e4nv" and fp8.FORMATS["float8_e4m3fnuz"].triton_name == "fp8e4b8"
+
+
+# --- FP4 (section 10): quantize_fp4 against gguf's bytes, on awkward blocks -------------------------------
+
+def fp4_values(lab, codes):
+    return lab.E2M1[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+
+
+def test_fp4_rounds_to_nearest_ties_to_even_and_saturates(lab):
+    v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e9, -0.75, -5.0, -0.1, 0.26, 4.9, 0.0, -0.0])
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, -1.0, -4.0, 0.0, 0.5, 4.0, 0.0, 0.0]
+    codes = lab.to_e2m1(v)
+    assert fp4_values(lab, codes).tolist() == want
+    assert codes[12] == 0 and codes[16] == 0            # what rounds to zero is +0, as gguf writes it
+
+
+def fp4_case_matrix(gen):
+    """Rows of awkward blocks: zeros, one huge value, tiny values near E8M0's and e4m3's floors, negatives only,
+    a block at a power of two and one just below the next (E2M1 saturates), beside Gaussian rows."""
+    w = torch.randn(8, 64, generator=gen) * 0.02
+    w[0] = 0
+    w[1, 5] = 3e4
+    w[2] = torch.randn(64, generator=gen) * 1e-30
+    w[3] = -w[3].abs()
+    w[4, :32] = 1.0
+    w[4, 32:] = torch.linspace(-7.9, 7.9, 32)
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["MXFP4", "NVFP4"])
+def test_fp4_bytes_read_by_gguf_are_the_values_and_mxfp4_matches_its_quantizer(lab, fmt):
+    import numpy as np
+
+    from utils import blocks
+
+    gen = torch.Generator().manual_seed(4)
+    for w in (fp4_case_matrix(gen), torch.randn(16, 256, generator=gen) * 5):
+        codes, scale, tensor_scale = lab.quantize_fp4(w, fmt)
+        values = lab.dequantize_fp4(codes, scale, tensor_scale)
+        if fmt == "MXFP4":
+            sbytes = (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8).numpy()
+            assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)       # powers of two
+        else:
+            assert scale.max() <= 448 and torch.equal(scale.to(torch.float8_e4m3fn).float(), scale)
+            sbytes = scale.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        packed = blocks.fp4_bytes(codes.numpy(), sbytes, fmt)
+        assert np.array_equal(blocks.dequantize(packed, fmt) * tensor_scale.item(), values.numpy())
+        if fmt == "MXFP4" and w.shape[0] == 16:      # no exact ties among random float32 values
+            assert np.array_equal(packed, blocks.quantize(w.numpy(), "MXFP4"))
+        # each value is the nearest grid point its block's step allows (or saturated at 6 steps)
+        block = 32 if fmt == "MXFP4" else 16
+        step = (scale * tensor_scale).repeat_interleave(block, dim=1)
+        # an NVFP4 block far below the tensor's largest value gets an e4m3 scale of 0 (below its smallest
+        # subnormal, 2^-9): the format holds it as zeros
+        lost = step == 0
+        assert torch.all(values[lost] == 0)
+        if lost.any():
+            assert fmt == "NVFP4" and w[lost].abs().max() / 6 / tensor_scale < 2.0**-10
+        step = torch.where(lost, 1.0, step)
+        grid = torch.cat([-lab.E2M1.flip(0), lab.E2M1])
+        nearest = (w[..., None] / step[..., None] - grid).abs().min(dim=-1).values * step
+        assert torch.all(((values - w).abs() <= nearest + 1e-5 * step) | lost)
+    assert lab.dequantize_fp4(*lab.quantize_fp4(torch.zeros(2, 32), fmt)).abs().sum() == 0
+
+
+def test_fp4_refuses_what_it_cannot_hold(lab):
+    from utils import blocks
+
+    with pytest.raises(ValueError, match="no NaN or infinity"):
+        lab.quantize_fp4(torch.tensor([[float("nan")] * 32]), "MXFP4")
+    with pytest.raises(ValueError, match="NVFP4 quantizer"):
+        blocks.quantize(torch.ones(1, 64).numpy(), "NVFP4")
+    with pytest.raises(ValueError, match="packs MXFP4 or NVFP4"):
+        blocks.fp4_bytes(torch.zeros(1, 32, dtype=torch.uint8).numpy(), torch.zeros(1, 1, dtype=torch.uint8).numpy(), "Q4_0")
+    with pytest.raises(ValueError, match="random_blocks"):
+        blocks.random_blocks("MXFP4", 2)
+    assert blocks.MXFP4.bits_per_weight == 4.25 and blocks.NVFP4.bits_per_weight == 4.5
+    from utils.quant import llamacpp
+
+    for f in blocks.FP4_FORMATS.values():
+        assert llamacpp.quant_size(f.name) == (f.block, f.nbytes)

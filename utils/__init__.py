@@ -20,7 +20,7 @@ The kit (what a lab's notebook imports):
     occupancy   resident wavefronts/warps per CU/SM from a kernel's registers and shared memory
     simt        a tiny SIMT machine: lanes in lock-step, divergence, masks (lab 02)
     stack       the software stack, and how to install what is missing
-    blocks      block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K): bytes, fields, decoding
+    blocks      block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K; MXFP4, NVFP4): bytes, fields, decoding
     fp8         FP8 formats as records (OCP e4m3fn / e5m2, FNUZ e4m3fnuz / e5m2fnuz), each GPU's dialect, scaled-matmul checks
 
 Lab families:

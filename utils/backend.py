@@ -108,7 +108,7 @@ ROCM = Backend(
 CUDA = Backend(
     name="cuda", vendor="NVIDIA", runtime="CUDA", lane_group="warp", unit="SMs", arch_prefix="sm_", torch_version="cuda",
     torch_module="cuda", compiler="nvcc", source_suffix=".cu", triton_backend="cuda",
-    triton_targets={"sm_90": (90, 32), "sm_80": (80, 32)},
+    triton_targets={"sm_90": (90, 32), "sm_80": (80, 32), "sm_100": (100, 32), "sm_120": (120, 32)},
     fp8_dialects={"sm_89": "ocp", "sm_90": "ocp", "sm_100": "ocp", "sm_120": "ocp"},   # Ada, Hopper, Blackwell
     topology_commands=(("nvidia-smi", "topo", "-m"),),
     install_torch=f"a CUDA build of PyTorch: pip install torch --index-url {TORCH_INDEX}/cu130 "

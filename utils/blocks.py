@@ -1,4 +1,5 @@
-"""Block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K): one record per format, its bytes and fields."""
+"""Block-quantized number formats (GGUF's Q4_0, Q4_1, Q8_0, Q4_K; the 4-bit floats MXFP4 and NVFP4): one record per
+format, its bytes and fields."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +10,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class BlockFormat:
-    """A format that stores `block` weights in `nbytes` bytes: its scale fields (fp16, in this order, at the
-    start of the block), then the packed integers. `name` is GGUF's (ggml's) type name."""
+    """A format that stores `block` weights in `nbytes` bytes: its scale fields (in this order, at the start of the
+    block), then the packed values. `name` is GGUF's (ggml's) type name."""
     name: str
     block: int            # weights per block
     nbytes: int           # bytes per block
-    scales: tuple[str, ...] = ()   # fp16 fields at the block's start: "d" (scale), "m" (minimum)
-    bits: int = 4         # bits per packed integer
+    scales: tuple[str, ...] = ()   # scale fields at the block's start: "d" (scale), "m" (minimum)
+    bits: int = 4         # bits per packed value
     offset: int = 0       # the integer's zero: w = d * (q - offset) [+ m]
+    scale_type: str = "fp16"  # what a scale field is: "fp16", "e8m0" (a power of two) or "ue4m3" (an unsigned e4m3)
+    values: str = "int"   # what the packed values are: "int" or "e2m1" (FP4: 1 sign, 2 exponent, 1 mantissa bit)
 
     @property
     def bits_per_weight(self) -> float:
@@ -44,6 +47,13 @@ Q4_1 = BlockFormat("Q4_1", 32, 20, ("d", "m"), 4, 0)
 Q8_0 = BlockFormat("Q8_0", 32, 34, ("d",), 8, 0)
 Q4_K = BlockFormat("Q4_K", 256, 144, ("d", "dmin"), 4, 0)     # super-blocks: 8 sub-blocks with 6-bit scales
 FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K)}
+# The 4-bit floats as gguf stores them (gguf-py's quants.py): MXFP4, OCP's microscaling FP4, a block of 32 E2M1 values
+# and one E8M0 scale; NVFP4, NVIDIA's, 16 values per e4m3 scale, which gguf groups four to a 64-weight block (the
+# float32 per-tensor scale lives outside the blocks).
+MXFP4 = BlockFormat("MXFP4", 32, 17, ("e",), 4, 0, "e8m0", "e2m1")
+NVFP4 = BlockFormat("NVFP4", 64, 36, ("d0", "d1", "d2", "d3"), 4, 0, "ue4m3", "e2m1")
+FP4_FORMATS = {f.name: f for f in (MXFP4, NVFP4)}
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # an E2M1 code's magnitude (codes 0-7; code + 8 is its negative)
 
 
 def fmt(name: str | BlockFormat) -> BlockFormat:
@@ -51,9 +61,9 @@ def fmt(name: str | BlockFormat) -> BlockFormat:
     if isinstance(name, BlockFormat):
         return name
     try:
-        return FORMATS[str(name).upper()]
+        return {**FORMATS, **FP4_FORMATS}[str(name).upper()]
     except KeyError:
-        raise ValueError(f"unknown block format {name!r}: one of {', '.join(FORMATS)}") from None
+        raise ValueError(f"unknown block format {name!r}: one of {', '.join([*FORMATS, *FP4_FORMATS])}") from None
 
 
 def random_blocks(name: str | BlockFormat, n: int, *, seed: int = 0, scale: float = 0.02,
@@ -62,7 +72,7 @@ def random_blocks(name: str | BlockFormat, n: int, *, seed: int = 0, scale: floa
     about `scale` with either sign (Q4_1's minimum too). `awkward`: the first blocks are a zero scale, all-0 and
     all-15 nibbles, a negative minimum, and the largest and smallest normal fp16 scales."""
     f = fmt(name)
-    if f.bits != 4 or f.block != 32:
+    if f.bits != 4 or f.block != 32 or f.values != "int":
         raise ValueError(f"random_blocks draws 32-weight 4-bit blocks (Q4_0, Q4_1), not {f.name}")
     rng = np.random.default_rng(seed)
     out = np.empty((n, f.nbytes), np.uint8)
@@ -112,7 +122,32 @@ def quantize(weights: np.ndarray, name: str | BlockFormat) -> np.ndarray:
     """float32 weights (rows of whole blocks) to the format's bytes, by `gguf`'s own quantizer."""
     import gguf
 
-    return gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), fmt(name).ggml_type)
+    f = fmt(name)
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), f.ggml_type)
+    except NotImplementedError:
+        raise ValueError(f"this gguf ({getattr(gguf, '__version__', '?')}) has no {f.name} quantizer, only its "
+                         f"dequantizer: make the codes and scales yourself and pack them with fp4_bytes") from None
+
+
+def fp4_bytes(codes: np.ndarray, scale_bytes: np.ndarray, name: str | BlockFormat) -> np.ndarray:
+    """gguf's bytes of MXFP4 or NVFP4 blocks from E2M1 codes (rows, K) (0-15: sign bit 8, magnitude `E2M1[code & 7]`)
+    and one scale byte per 32 (MXFP4: E8M0, the exponent + 127) or per 16 codes (NVFP4: e4m3fn's byte of a positive
+    scale). Each group of 32 (MXFP4) or 16 (NVFP4) codes packs two a byte, its first half in the low nibbles."""
+    f = fmt(name)
+    if f not in FP4_FORMATS.values():
+        raise ValueError(f"fp4_bytes packs MXFP4 or NVFP4, not {f.name}")
+    codes = np.asarray(codes, dtype=np.uint8)
+    group = 32 if f is MXFP4 else 16
+    rows, k = codes.shape
+    f.row_bytes(k)
+    c = codes.reshape(rows, k // group, 2, group // 2)
+    nibbles = (c[:, :, 0] & 0x0F) | (c[:, :, 1] << 4)                     # (rows, groups, group / 2)
+    scales = np.asarray(scale_bytes, dtype=np.uint8).reshape(rows, k // group)
+    if f is MXFP4:
+        return np.concatenate([scales[:, :, None], nibbles], axis=2).reshape(rows, -1)
+    blocks = k // f.block                                                  # 4 scales, then 4 x 8 bytes, per 64
+    return np.concatenate([scales.reshape(rows, blocks, 4), nibbles.reshape(rows, blocks, 32)], axis=2).reshape(rows, -1)
 
 
 def quantize_q8_rows(x) -> tuple[np.ndarray, np.ndarray]:

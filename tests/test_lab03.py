@@ -845,3 +845,57 @@ def test_fp4_refuses_what_it_cannot_hold(lab):
 
     for f in blocks.FP4_FORMATS.values():
         assert llamacpp.quant_size(f.name) == (f.block, f.nbytes)
+
+
+FP8_GRID_SIZES = [(16, 16, 16), (1, 32, 16), (17, 48, 32), (33, 17, 64), (64, 64, 17), (129, 80, 112),
+                  (1000, 1000, 1000), (127, 4096, 129), (4096, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA or ROCm GPU")
+def test_fp8_matmul_upstream_style_grid_on_gpu(lab):
+    """fp8_matmul on a grid in the manner of PyTorch's own _scaled_mm tests (test_matmul_cuda.py): sizes from 1 and
+    odd ones to 4096, both scaling modes, every out_dtype, B column-major (the fast layout) and row-major, A as a
+    transposed view, scales of very different sizes; against the float64 product of the dequantized operands, and
+    against torch._scaled_mm wherever it takes the case. No crash, no silent wrong result."""
+    from utils import fp8
+
+    e4m3 = fp8.e4m3_of(fp8.arch_of(DEVICE))
+    sizes = FP8_GRID_SIZES
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-3}
+    failures, count, compared = [], 0, 0
+    for (m, n, k), row_wise, out_dtype, b_layout, a_t in itertools.product(
+            sizes, (False, True), (torch.bfloat16, torch.float16, torch.float32), ("col", "row"), (False, True)):
+        if a_t and b_layout == "row" or (m * n * k > 1e9 and (out_dtype != torch.bfloat16 or a_t)):
+            continue
+        count += 1
+        gen = torch.Generator(device=DEVICE).manual_seed(count)
+        a = (torch.randn(k, m, device=DEVICE, generator=gen).T if a_t else torch.randn(m, k, device=DEVICE, generator=gen))
+        b = torch.randn(n, k, device=DEVICE, generator=gen).T if b_layout == "col" else torch.randn(k, n, device=DEVICE, generator=gen)
+        qa, qb = a.clamp(-400, 400).to(e4m3), b.clamp(-400, 400).to(e4m3)
+        if row_wise:
+            sa = torch.rand(m, 1, device=DEVICE, generator=gen) * 1e3 + 1e-3
+            sb = torch.rand(1, n, device=DEVICE, generator=gen) * 1e-3 + 1e-6
+        else:
+            sa, sb = torch.tensor(3.5e2, device=DEVICE), torch.tensor(2.0e-4, device=DEVICE)
+        ref = (qa.double() * sa.double()) @ (qb.double() * sb.double())
+        what = f"{m}x{n}x{k} {'rows' if row_wise else 'tensor'} {str(out_dtype)[6:]} b {b_layout}{' a^T' if a_t else ''}"
+        try:
+            c = lab.fp8_matmul(qa, qb, sa, sb, out_dtype)
+        except Exception as err:  # noqa: BLE001 - a crash is a failure to report, with the case
+            failures.append(f"{what}: raised {type(err).__name__}: {str(err)[:120]}")
+            continue
+        err = ((c.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+        if c.shape != (m, n) or c.dtype != out_dtype or not c.is_contiguous() or not err < tol[out_dtype]:
+            failures.append(f"{what}: shape {tuple(c.shape)} {c.dtype}, error {err:.2e}")
+            continue
+        try:
+            want = torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        except (RuntimeError, ValueError):
+            continue                                  # a case _scaled_mm refuses (layout, alignment)
+        compared += 1
+        gap = ((c.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300)).item()
+        if not gap < 2 * tol[out_dtype]:
+            failures.append(f"{what}: {gap:.2e} from torch._scaled_mm")
+    print(f"fp8_matmul grid: {count - len(failures)} of {count} cases right, {compared} also against torch._scaled_mm")
+    assert not failures, failures[:10]

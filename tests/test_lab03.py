@@ -847,8 +847,8 @@ def test_fp4_refuses_what_it_cannot_hold(lab):
         assert llamacpp.quant_size(f.name) == (f.block, f.nbytes)
 
 
-FP8_GRID_SIZES = [(16, 16, 16), (1, 32, 16), (17, 48, 32), (33, 17, 64), (64, 64, 17), (129, 80, 112),
-                  (1000, 1000, 1000), (127, 4096, 129), (4096, 4096, 4096)]
+FP8_GRID_SIZES = [(1, 32, 16), (17, 48, 32), (33, 17, 64), (64, 64, 17), (129, 80, 112), (127, 4096, 129),
+                  (4096, 4096, 4096)]
 
 
 @pytest.mark.gpu
@@ -866,7 +866,9 @@ def test_fp8_matmul_upstream_style_grid_on_gpu(lab):
     failures, count, compared = [], 0, 0
     for (m, n, k), row_wise, out_dtype, b_layout, a_t in itertools.product(
             sizes, (False, True), (torch.bfloat16, torch.float16, torch.float32), ("col", "row"), (False, True)):
-        if a_t and b_layout == "row" or (m * n * k > 1e9 and (out_dtype != torch.bfloat16 or a_t)):
+        # each case compiles its own specialization: the rarer combinations on the small sizes only
+        rare = a_t or out_dtype == torch.float16
+        if a_t and b_layout == "row" or (rare and m * n * k > 1e6) or (m * n * k > 1e9 and out_dtype != torch.bfloat16):
             continue
         count += 1
         gen = torch.Generator(device=DEVICE).manual_seed(count)

@@ -442,3 +442,55 @@ def test_an_answer_that_patches_a_library_or_calls_what_computes_the_answer_fail
     with pytest.raises(ExerciseFailed, match=want):
         ex.grade("8.1", "Q4_1", check_dequantize_q4_1, answer)
     assert ex.status["8.1"] == "failed"
+
+
+FRAME_CHEATS = {
+    "sys._getframe": "import sys\n    f = sys._getframe(1)\n",
+    "inspect.currentframe": "import inspect\n    f = inspect.currentframe().f_back\n",
+    "inspect.stack": "import inspect\n    f = inspect.stack()[1].frame\n",
+    "a traceback's frame": "try:\n        raise ValueError\n    except ValueError as e:\n        f = e.__traceback__.tb_frame\n",
+    "every thread's frames": "import sys, threading\n    f = sys._current_frames()[threading.get_ident()]\n",
+    "the garbage collector": "import gc\n    f = [o for o in gc.get_objects() if type(o).__name__ == 'frame'][:1] or [None]\n    f = f[0]\n",
+}
+
+
+@pytest.mark.parametrize("how", FRAME_CHEATS, ids=list(FRAME_CHEATS))
+def test_an_answer_that_reads_the_graders_frames_fails(build_dir, how, capsys):
+    """Exercise 4.1's grader holds the measured peak in a local while it calls the prediction: an answer that climbs
+    the call stack to it (by any way of taking a frame) fails with that reason, and is not recorded as passed."""
+    from utils.graders.lab04 import check_prediction
+
+    ex = exercises.Lab("04_flash_attention")
+    body = FRAME_CHEATS[how]
+    cheat = _notebook_function(
+        f"def predict_peak_bytes(batch, heads, n):\n    {body}"
+        "    while f is not None:\n"
+        "        if 'got' in f.f_locals and 'kb' in f.f_locals:\n"
+        "            return f.f_locals['got'] * f.f_locals['kb'] * f.f_locals['kh']\n"
+        "        if 'got' in f.f_locals:\n"
+        "            return f.f_locals['got']\n"
+        "        f = f.f_back\n"
+        "    return 4 * 3 * batch * heads * n * n\n", "predict_peak_bytes")
+    measured = [(1, 2, n, 7 * 2 * n * n + 12345) for n in (64, 128)]     # no formula of B, H, N gives these
+    with pytest.raises(ExerciseFailed, match="grader's frames"):
+        ex.grade("4.1", "peak", check_prediction, cheat, measured)
+    assert "PASS" not in capsys.readouterr().out.replace("line(s) that read as a pass left out", "")
+
+
+def test_a_right_prediction_that_uses_inspect_and_warnings_honestly_still_passes(build_dir):
+    """Code that takes no frame passes: inspect.signature, a warning, a namedtuple (which asks sys._getframe for its
+    module from the collections module, not the answer's)."""
+    from utils.graders.lab04 import check_prediction
+
+    honest = _notebook_function(
+        "def predict_peak_bytes(batch, heads, n):\n"
+        "    import collections, inspect, warnings\n"
+        "    Shape = collections.namedtuple('Shape', 'b h n')\n"
+        "    s = Shape(batch, heads, n)\n"
+        "    assert list(inspect.signature(predict_peak_bytes).parameters) == ['batch', 'heads', 'n']\n"
+        "    with warnings.catch_warnings():\n"
+        "        warnings.simplefilter('ignore')\n"
+        "        warnings.warn('a warning from the answer')\n"
+        "    return 7 * s.b * s.h * s.n * s.n\n", "predict_peak_bytes")
+    measured = [(1, 2, n, 7 * 2 * n * n) for n in (64, 128)]
+    assert exercises.Lab("04_flash_attention").grade("4.1", "peak", check_prediction, honest, measured)

@@ -5,6 +5,7 @@ alternative and known-wrong answers).
 Without a GPU the kernels run in Triton's interpreter on a seeded covering grid (sizes 1, 17, 97; each layout
 once; each dtype once); the full grid is behind `@pytest.mark.gpu` (`make test-gpu`)."""
 import itertools
+import json
 import os
 import sys
 
@@ -901,3 +902,39 @@ def test_fp8_matmul_upstream_style_grid_on_gpu(lab):
             failures.append(f"{what}: {gap:.2e} from torch._scaled_mm")
     print(f"fp8_matmul grid: {count - len(failures)} of {count} cases right, {compared} also against torch._scaled_mm")
     assert not failures, failures[:10]
+
+
+def test_fp8_matmul_tma_tiles_fit_hoppers_shared_memory_for_every_out_dtype(lab):
+    """The Hopper (TMA) tile at the stages fp8_config gives, compiled for sm_90 ahead of time with each out_dtype's C
+    descriptor, fits the 227 KiB a block may take (the H200 refused the float32 C at 5 stages: 248 KiB)."""
+    from utils import isa
+
+    limit = 227 * 1024
+    bm, bn, bk, *_ = lab.FP8_CONFIGS["tma"]
+    shared = {}
+    jobs = []
+    for out, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        *_, warps, stages = lab.fp8_config("tma", out)
+        sig = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
+               "c_desc": f"tensordesc<{name}[{bm},{bn}]>", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+               "M": "i32", "N": "i32", "K": "i32"}
+        jobs.append(dict(signature=sig, target="sm_90", num_warps=warps, num_stages=stages,
+                         constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PROGRAMS": 132,
+                                     "A_T": False, "B_T": True, "ROW_WISE": True}))
+    for (name, job), built in zip(zip(("bf16", "fp16", "fp32"), jobs), isa.compile_triton_many(lab.tma_fp8_matmul_kernel, jobs)):
+        assert not isinstance(built, Exception), built
+        shared[name] = json.loads(built["metadata"].text)["shared"]
+    assert all(v <= limit for v in shared.values()), shared
+    assert lab.fp8_config("tma", torch.float32)[-1] < lab.FP8_CONFIGS["tma"][-1]
+
+
+def test_fp8_grader_scales_keep_every_mistake_apart_from_the_right_product():
+    """Per tensor, scale_a, scale_b and their product are all at least 1.4x from 1 for any seed, so each epilogue slip
+    (a scale missing, divided, ...) differs from the right product by more than the hints' 10 % (a scale_b of 1.06
+    once sent "scale_a only" to the generic hint)."""
+    import math
+
+    for seed in range(3000):
+        sa, sb = graders._fp8_scales(torch.Generator().manual_seed(seed), 4, 4, False)
+        for v in (float(sa), float(sb), float(sa) * float(sb)):
+            assert abs(math.log2(v)) >= 0.48, (seed, float(sa), float(sb))

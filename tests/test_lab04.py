@@ -871,10 +871,12 @@ def test_the_course_kernel_builds_for_both_gpus_and_once(lab):
     """The grader builds the kernel an answer's `attention` launches for sm_90 and gfx942 as the lab's
     compile_attention does (in a process without the interpreter): the course's builds for both, and grading the
     same kernel again reads what was kept under the build folder, starting no process."""
+    built = {f"{t} D={d}": None for t in ("sm_90", "gfx942") for d in graders.AOT_HEAD_DIMS}
+    assert graders.AOT_HEAD_DIMS == (64, 128)          # the lab's small head dim and its headline one
     for causal in (False, True):
-        assert graders._Build(lab.flash_attention, causal).finish() == {"sm_90": None, "gfx942": None}
+        assert graders._Build(lab.flash_attention, causal).finish() == built
         again = graders._Build(lab.flash_attention, causal)
-        assert again.proc is None and again.finish() == {"sm_90": None, "gfx942": None}
+        assert again.proc is None and again.finish() == built
 
 
 def test_a_gpu_this_machine_cannot_build_for_is_said_not_checked_here(lab, monkeypatch, capsys):
@@ -882,5 +884,5 @@ def test_a_gpu_this_machine_cannot_build_for_is_said_not_checked_here(lab, monke
     failed for it: the grade says that target was not checked here."""
     monkeypatch.setattr(graders, "GPU_TARGETS", {"gfx0": ("an imaginary GPU (gfx0)", 0, None)})
     assert grade("check_attention", lab.attention, DEVICE) is None
-    assert "gfx0 not checked here (Triton does not build the course's own kernel for it on this machine either: " \
+    assert "gfx0 D=64 not checked here (Triton does not build the course's own kernel for it on this machine either: " \
            "ValueError: unknown target 'gfx0'" in capsys.readouterr().out

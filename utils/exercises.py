@@ -208,6 +208,10 @@ _READS_AS_PASS = re.compile(r"\s*(PASS|OK|ok|passed|Passed)\b")
 
 
 def _reached_hint(reached: list[str]) -> str:
+    frames = [r for r in reached if r.startswith("the grader's frames")]
+    if frames:
+        return (f"your answer reached into {frames[0]}, where the grader keeps what it checks against: an answer "
+                "is graded on what it computes from its own inputs, so take nothing from the call stack")
     return (f"your answer called the course's own answers or graders ({', '.join(reached[:3])}): an exercise is "
             "graded on code you wrote, so compute it yourself (the reference is what it is checked against)")
 

@@ -10,6 +10,8 @@ import sys
 import threading
 from typing import Callable
 
+from utils import isa
+
 EXPORT_PREFIX = "course_export_"      # the solution notebooks imported as modules (utils.solutions.load)
 COURSE_ANSWERS = ("utils.solutions", "utils.graders.")
 SEED_VAR = "COURSE_GRADE_SEED"        # set it to a failure's seed to draw the same inputs again
@@ -40,13 +42,13 @@ class Watch:
         self.grading = set(grading_codes)     # the grading cell's own lambda: it calls the grader, as it should
         self.reached: list[str] = []
         self._before = None
-        self.kernels = [k for k in kernels if _is_kernel(k)]    # the exercise's Triton kernels: were they run?
+        self.kernels = [k for k in kernels if isa.is_kernel(k)]    # the exercise's Triton kernels: were they run?
         self._launched: dict = {}             # id -> kernel launched (JITFunction.run; the interpreter's run)
 
     def _profile(self, frame, event, arg):
         if event != "call":
             return
-        if self.kernels and frame.f_code.co_name == "run" and _is_kernel(frame.f_locals.get("self")):
+        if self.kernels and frame.f_code.co_name == "run" and isa.is_kernel(frame.f_locals.get("self")):
             self._launched.setdefault(id(frame.f_locals["self"]), frame.f_locals["self"])
         name = frame.f_globals.get("__name__", "")
         if not (_answers_module(name) or frame.f_code in self.sealed):
@@ -77,29 +79,62 @@ class Watch:
         return [k.fn.__name__ for k in self.kernels if k.fn.__code__ not in reached]
 
     def __enter__(self):
+        _watch_frames()
         self._before = sys.getprofile()
+        _ACTIVE.append(self)
         sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc):
         sys.setprofile(self._before)
+        _ACTIVE.remove(self)
         return False
 
 
-def _is_kernel(obj) -> bool:
-    return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
+# --- the grader's frames, out of the answer's reach ------------------------------------------------------------------
+# Above an answer on the call stack sit the grader's frames, whose locals hold what the answer is checked against. An
+# answer that takes a frame object (sys._getframe, inspect.currentframe or .stack, a traceback's or generator's frame,
+# every thread's frames, the garbage collector's lists) or installs a tracer while it is graded is reaching for them:
+# CPython's audit hooks report each of these, and the frame that asked decides whose request it is.
+FRAME_EVENTS = {"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "gc.get_objects",
+                "gc.get_referrers", "gc.get_referents"}
+FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+FRAME_HELPERS = ("inspect", "traceback")     # stdlib modules that hand the caller frames: look through them
+_ACTIVE: list[Watch] = []
+_hook_state = threading.local()
+_hook_installed = False
+
+
+def _watch_frames() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        sys.addaudithook(_frame_audit)
+        _hook_installed = True
+
+
+def _frame_audit(event: str, args: tuple) -> None:
+    if not _ACTIVE or getattr(_hook_state, "busy", False):
+        return
+    if event not in FRAME_EVENTS and not (event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRIBUTES):
+        return
+    _hook_state.busy = True
+    try:
+        frame = sys._getframe(1)          # the Python frame that asked (C functions have none)
+        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in FRAME_HELPERS:
+            frame = frame.f_back
+        watch = _ACTIVE[-1]
+        if frame is not None and _learner_module(frame.f_globals.get("__name__", "")) \
+                and frame.f_code not in watch.grading:
+            what = ("the grader's frames (" + (f"{args[1]}" if event == "object.__getattr__" else event) + ")")
+            if what not in watch.reached:
+                watch.reached.append(what)
+    finally:
+        _hook_state.busy = False
 
 
 def _reachable_codes(kernel) -> set:
     """The code of `kernel` and of every @triton.jit function it names, at any depth (compiled into it on a GPU)."""
-    codes, todo = set(), [kernel]
-    while todo:
-        fn = todo.pop().fn
-        if fn.__code__ in codes:
-            continue
-        codes.add(fn.__code__)
-        todo += [obj for n in fn.__code__.co_names if _is_kernel(obj := fn.__globals__.get(n))]
-    return codes
+    return {k.fn.__code__ for k in isa.reachable_kernels(kernel)}
 
 
 # --- the graders themselves, and what they rely on, as the course wrote them ----------------------------------------
@@ -188,7 +223,7 @@ def _code_of(obj):
         return None
     try:
         obj = getattr(obj, "__wrapped__", obj)
-        obj = obj.fn if _is_kernel(obj) else obj
+        obj = obj.fn if isa.is_kernel(obj) else obj
         return getattr(obj, "__code__", None)
     except Exception:  # noqa: BLE001 - an object whose attributes raise (torch's class proxies) has no code here
         return None

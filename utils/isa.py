@@ -368,6 +368,19 @@ def is_kernel(obj) -> bool:
     return callable(getattr(obj, "fn", None)) and type(obj).__name__ in ("JITFunction", "InterpretedFunction")
 
 
+def reachable_kernels(kernel) -> list:
+    """`kernel` and every @triton.jit function it names, at any depth, each once (all compiled into it on a GPU)."""
+    found, codes, todo = [], set(), [kernel]
+    while todo:
+        k = todo.pop()
+        if k.fn.__code__ in codes:
+            continue
+        codes.add(k.fn.__code__)
+        found.append(k)
+        todo += [obj for n in k.fn.__code__.co_names if is_kernel(obj := k.fn.__globals__.get(n))]
+    return found
+
+
 def kernel_source(kernel) -> str:
     """Python source that defines `kernel` in a fresh process: the @triton.jit functions it reaches (at any depth),
     and the modules, triton.language functions and constants they name; a Python function one calls is a stand-in

@@ -1,4 +1,5 @@
 """Lab 03's graders (exercises 3.1-3.7) and the error measure and tolerances its checks of a BF16 matmul use."""
+import math
 import numbers
 import random
 
@@ -515,8 +516,12 @@ def _fp8_operands(gen, m, n, k, dtype, b_layout):
 def _fp8_scales(gen, m, n, row_wise):
     if row_wise:
         return (torch.rand(m, 1, generator=gen) * 8 + 0.05), (torch.rand(1, n, generator=gen) * 0.5 + 0.01)
-    return (torch.tensor(2.0 ** float(torch.randint(-5, 6, (1,), generator=gen))) * 1.37,
-            torch.tensor(0.11 + float(torch.rand(1, generator=gen))))
+    # per tensor: scale_b, scale_a and their product all far from 1 (at least 1.4x away), so that every mistake's
+    # product differs from the right one by more than the hints' 10 % and each slip gets its own hint
+    sb = 0.11 + 0.6 * float(torch.rand(1, generator=gen))
+    exponents = [e for e in range(-5, 6) if e != 0 and abs(math.log2(1.37 * 2.0 ** e * sb)) >= 0.5]
+    e = exponents[int(torch.randint(0, len(exponents), (1,), generator=gen))]
+    return torch.tensor(1.37 * 2.0 ** e), torch.tensor(sb)
 
 
 def check_fp8_matmul(fp8_matmul, device="cpu"):

@@ -406,16 +406,24 @@ def check_causal(attention, device="cpu"):
 
 # --- what only a compiler sees: the learner's kernel built for both vendors' GPUs, as the lab's compile_attention ----
 
-AOT_HEAD_DIM = 64     # one head dim, with the wrapper's tiles: the kernel `attention` launches on a GPU
+AOT_HEAD_DIMS = (64, 128)    # the head dims built, with the wrapper's tiles: the kernel `attention` launches on a GPU
 
 
 class _Recorded(Exception):
     pass
 
 
-def _compile_call(kernel, target: str, causal: bool) -> dict:
+def _build_key(target: str, head_dim: int) -> str:
+    return f"{target} D={head_dim}"
+
+
+def _builds() -> list[str]:
+    return [_build_key(t, d) for t in GPU_TARGETS for d in AOT_HEAD_DIMS]
+
+
+def _compile_call(kernel, target: str, causal: bool, head_dim: int) -> dict:
     """The signature and options that the lab's `compile_attention` hands `isa.compile_triton` for `kernel` (not the
-    lab's own `flash_attention`) on `target`, at AOT_HEAD_DIM with the wrapper's tiles: its own code, run with those
+    lab's own `flash_attention`) on `target`, at `head_dim` with the wrapper's tiles: its own code, run with those
     two names rebound, stopped at that call (so that the grader builds exactly what the lab builds)."""
     lab = solutions.load("04")
     call = {}
@@ -429,7 +437,7 @@ def _compile_call(kernel, target: str, causal: bool) -> dict:
                                  "flash_attention": kernel, "isa": types.SimpleNamespace(compile_triton=record)},
                                  argdefs=compile_attention.__defaults__)
     with contextlib.suppress(_Recorded):
-        rebound(target, AOT_HEAD_DIM, causal, dict(BLOCK_M=WRAPPER_BLOCK_M, BLOCK_N=WRAPPER_BLOCK_N))
+        rebound(target, head_dim, causal, dict(BLOCK_M=WRAPPER_BLOCK_M, BLOCK_N=WRAPPER_BLOCK_N))
     return call
 
 
@@ -446,13 +454,13 @@ except Exception as err:
     print(json.dumps({"carried": f"{type(err).__name__}: {err}"}))
     sys.exit()
 job = json.load(open(sys.argv[2]))
-for target, call in job["calls"].items():
+for key, call in job["calls"].items():
     chain = None
     try:
-        isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], target, **call["options"])
+        isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], key.split()[0], **call["options"])
     except Exception as err:
         chain = isa.error_chain(err)
-    print(json.dumps({target: chain}), flush=True)
+    print(json.dumps({key: chain}), flush=True)
 """
 
 
@@ -469,7 +477,8 @@ class _Build:
         except (OSError, TypeError) as err:       # no source to carry (defined where inspect cannot read it)
             self.cached = {"carried": f"{type(err).__name__}: {err}"}
             return
-        job = {"kernel": kernel.fn.__name__, "calls": {t: _compile_call(kernel, t, causal) for t in GPU_TARGETS}}
+        job = {"kernel": kernel.fn.__name__, "calls": {_build_key(t, d): _compile_call(kernel, t, causal, d)
+                                                      for t in GPU_TARGETS for d in AOT_HEAD_DIMS}}
         text = json.dumps(job, default=list)           # in order: the signature is positional
         key = hashlib.sha256(f"{triton.__version__}\n{source}\n{text}".encode()).hexdigest()[:24]
         self.memo = build_dir() / "lab04_builds" / f"{key}.json"
@@ -496,8 +505,8 @@ class _Build:
                     self.cached.update(json.loads(line))
             if not self.cached or self.proc.returncode:       # the compiler itself crashed on a target
                 last = (stderr.strip().splitlines() or [f"exit status {self.proc.returncode}"])[-1]
-                self.cached.update({t: [["the compiler crashed", last]] for t in GPU_TARGETS if t not in self.cached})
-            if set(self.cached) == set(GPU_TARGETS) and not any(self.cached.values()):
+                self.cached.update({k: [["the compiler crashed", last]] for k in _builds() if k not in self.cached})
+            if set(self.cached) == set(_builds()) and not any(self.cached.values()):
                 with contextlib.suppress(OSError):
                     self.memo.parent.mkdir(parents=True, exist_ok=True)
                     self.memo.write_text(json.dumps(self.cached))
@@ -554,20 +563,21 @@ def _check_builds(build, causal: bool) -> None:
               f"{results['carried']})")
         return
     course = theirs = None
-    for target, chain in results.items():
+    for key, chain in results.items():
         if not chain:
             continue
+        target, head_dim = key.split()[0], key.partition("D=")[2]
         if course is None:
             course = _Build(solutions.load("04").flash_attention, causal)
             theirs = course.finish()
-        why = theirs.get("carried") or theirs.get(target)
+        why = theirs.get("carried") or theirs.get(key)
         if why:
-            print(f"NOTE: {name}: {target} not checked here (Triton does not build the course's own kernel for it on "
+            print(f"NOTE: {name}: {key} not checked here (Triton does not build the course's own kernel for it on "
                   f"this machine either: {isa.compiler_message(why, course.source) if isinstance(why, list) else why})")
             continue
         message = isa.compiler_message(chain, build.source)
-        check(name, False, f"Triton's compiler refuses your kernel for {GPU_TARGETS[target][0]} (what the lab's "
-                           f"compile_attention builds, with the tiles `attention` launches, BF16 inputs, "
+        check(name, False, f"Triton's compiler refuses your kernel for {GPU_TARGETS[target][0]} at head dim "
+                           f"{head_dim} (what the lab's compile_attention builds, with the tiles `attention` launches, BF16 inputs, "
                            f"{'causal' if causal else 'not causal'}), though it ran here (on a CPU, Triton's "
                            f"interpreter): on that GPU it would not build: {message}{_compiler_hint(message)}")
 

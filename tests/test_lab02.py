@@ -106,8 +106,8 @@ __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, i
     }
 }
 """
-# warp-synchronous: a tree in __shared__ inside each wavefront, without a barrier (its lanes run in lock-step)
-SUM_ALTERNATIVES["a tree in volatile __shared__ memory inside each wavefront"] = r"""
+# the same without __syncwarp: right on AMD's lock-step wavefronts, a race on CUDA since Volta
+VOLATILE_TREE = r"""
 __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
     __shared__ volatile int s[1024];
     int i = blockIdx.x * blockDim.x + threadIdx.x, t = threadIdx.x, lane = t % warpSize;
@@ -117,8 +117,8 @@ __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, i
     if (lane == 0) atomicAdd(out, s[t]);
 }
 """
-# the classic reduction with its last wavefront unrolled: within a wavefront all lanes read before any writes
-SUM_ALTERNATIVES["a block tree, its last wavefront unrolled without a barrier (volatile)"] = r"""
+# the classic reduction with its last wavefront unrolled without a barrier (volatile): the same, on CUDA a race
+UNROLLED_TREE = r"""
 __device__ void last(volatile int* v, int t) { for (int o = warpSize; o > 0; o >>= 1) v[t] += v[t + o]; }
 __global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
     __shared__ int s[1024 + 64];
@@ -141,7 +141,29 @@ OWN_MACROS = """#if defined(__HIP_PLATFORM_AMD__)
 #define DOWN_W(v, o, w) __shfl_down_sync(0xffffffffu, v, o, w)
 #endif
 """
+# warp-synchronous, as CUDA wants it since Volta: a tree in __shared__ inside each wavefront, each step's reads and
+# writes apart by __syncwarp() (a warp's lanes are scheduled independently; on AMD a wavefront runs in lock-step, and
+# HIP's __syncwarp orders the same)
+SUM_ALTERNATIVES["a tree in __shared__ memory inside each wavefront, __syncwarp between steps"] = OWN_MACROS + r"""
+__global__ void sum_portable(const int* __restrict__ x, int* __restrict__ out, int n) {
+    __shared__ int s[1024];
+    int i = blockIdx.x * blockDim.x + threadIdx.x, t = threadIdx.x, lane = t % warpSize;
+    s[t] = i < n ? x[i] : 0;
+    __syncwarp(FULL);
+    for (int offset = warpSize / 2; offset > 0; offset /= 2) {
+        int other = lane < offset ? s[t + offset] : 0;
+        __syncwarp(FULL);
+        if (lane < offset) s[t] += other;
+        __syncwarp(FULL);
+    }
+    if (lane == 0) atomicAdd(out, s[t]);
+}
+"""
 SUM_WRONG = {
+    "a tree in volatile __shared__ inside each warp, no __syncwarp (right on AMD only)": (
+        VOLATILE_TREE, "CUDA, 32-lane warps", "no __syncwarp", "scheduled independently"),
+    "the last wavefront unrolled without a barrier (volatile; right on AMD only)": (
+        UNROLLED_TREE, "CUDA, 32-lane warps", "no __syncwarp"),
     "width 32 on a 64-lane wavefront, every 32nd lane adds (right total)": (
         OWN_MACROS + SUM.replace("warpSize / 2", "16").replace("SHFL_DOWN(v, offset)", "DOWN_W(v, offset, 32)")
         .replace("threadIdx.x % warpSize == 0", "threadIdx.x % 32 == 0"),

@@ -218,11 +218,22 @@ def test_run_kernel_interleaves_wavefronts_in_a_seeded_order_so_a_lost_update_sh
     assert got[0] == got[1] and exact not in got and len(set(got)) > 1, got   # the same seed, the same order
 
 
-@pytest.mark.parametrize("platform, width", [("hip", 64), ("cuda", 32)])
-def test_run_kernel_keeps_warp_synchronous_code_right(platform, width):
+WARP_TREE_SYNCED = WARP_TREE.replace("""    for (int o = warpSize / 2; o > 0; o /= 2)
+        if (lane < o) s[t] += s[t + o];""", """    __syncwarp();
+    for (int o = warpSize / 2; o > 0; o /= 2) {
+        int other = lane < o ? s[t + o] : 0;
+        __syncwarp();
+        if (lane < o) s[t] += other;
+        __syncwarp();
+    }""")
+
+
+@pytest.mark.parametrize("platform, width, source", [("hip", 64, WARP_TREE), ("cuda", 32, WARP_TREE_SYNCED)])
+def test_run_kernel_keeps_warp_synchronous_code_right(platform, width, source):
+    """A wavefront's tree in __shared__: on AMD in lock-step as written; on CUDA with __syncwarp between its steps."""
     x = np.random.default_rng(0).integers(-50, 50, 512).astype(np.int32)
     args = [("x", x), ("per_wave", np.zeros(512 // width, np.int32)), ("out", np.zeros(1, np.int32))]
-    run = simt.run_kernel(WARP_TREE, "warp_tree", args, grid=2, block=256, width=width, platform=platform)
+    run = simt.run_kernel(source, "warp_tree", args, grid=2, block=256, width=width, platform=platform)
     assert run.problems == [] and run.races == []
     assert run.buffers["per_wave"].tolist() == x.reshape(-1, width).sum(axis=1).tolist()
     assert int(run.buffers["out"][0]) == int(x.sum())
@@ -235,3 +246,37 @@ def test_run_kernel_records_the_lanes_of_each_cross_lane_op():
     run = simt.run_kernel(inside, "k", [("x", x), ("out", np.zeros(64, np.uint64))], grid=1, block=64, width=64)
     mask = sum(1 << lane for lane in range(64) if x[lane] > 0)
     assert run.cross_lane == [[("ballot", mask)]] and int(run.buffers["out"][0]) == mask
+
+
+def test_cuda_warps_are_not_lock_step_without_a_sync():
+    """Since Volta a CUDA warp's lanes are scheduled independently: the tree that is right on AMD's lock-step
+    wavefronts is a race on CUDA, named as such, until __syncwarp orders its steps."""
+    x = np.random.default_rng(0).integers(-50, 50, 512).astype(np.int32)
+    args = [("x", x), ("per_wave", np.zeros(16, np.int32)), ("out", np.zeros(1, np.int32))]
+    run = simt.run_kernel(WARP_TREE, "warp_tree", args, grid=2, block=256, width=32, platform="cuda")
+    assert run.races and "no __syncwarp" in run.races[0] and "scheduled independently" in run.races[0], run.races
+
+
+OVERLAP = r"""
+__global__ void overlap(int* words, int* out) {
+    // wavefront 0 writes a whole int; wavefront 1 writes its second byte: they overlap, not at one start address
+    if (threadIdx.x == 0) words[0] = 0x01020304;
+    if (threadIdx.x == 64) ((unsigned char*)words)[1] = 7;
+}
+__global__ void readers(int* x, int* out) {
+    // wavefronts 0 and 1 read x[0]; then wavefront 1 writes it: wavefront 0's read is unordered with that write
+    int t = threadIdx.x;
+    if (t == 0 || t == 64) out[t / 64] = x[0];
+    if (t == 64) x[0] = 5;
+}
+"""
+
+
+def test_races_between_overlapping_accesses_and_with_an_earlier_reader():
+    run = simt.run_kernel(OVERLAP, "overlap", [("words", np.zeros(2, np.int32)), ("out", np.zeros(1, np.int32))],
+                          grid=1, block=128, width=64)
+    assert run.races and "`words[0]`" in run.races[0], run.races
+    for seed in range(4):
+        run = simt.run_kernel(OVERLAP, "readers", [("x", np.ones(1, np.int32)), ("out", np.zeros(2, np.int32))],
+                              grid=1, block=128, width=64, seed=seed)
+        assert run.races and "`x[0]`" in run.races[0], (seed, run.races)

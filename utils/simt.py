@@ -11,8 +11,11 @@
   CUDA's (32-bit masks, `_sync` only, width 32). It reports what a GPU would not tell you: a lane left out of a
   mask, a read of a lane that had returned, a store past the end of a buffer, which lanes did atomics, the lanes
   of each cross-lane operation, and races: two lanes on one address between the same barriers, one of them
-  writing, not both atomic, with nothing to order them (two blocks; two wavefronts of a block; or one instruction
-  of one wavefront storing different values), named by lane and address (buffer or `__shared__` variable, index).
+  writing, not both atomic, with nothing to order them (two blocks; two wavefronts of a block; one instruction
+  of one wavefront storing different values; on CUDA, whose warps are not in lock-step since Volta, two
+  instructions of one warp with no `_sync` operation between), named by lane and address (buffer or `__shared__`
+  variable, index). Accesses are tracked byte by byte, and a write is checked against the last two readers of
+  different wavefronts.
 """
 from __future__ import annotations
 
@@ -143,6 +146,7 @@ struct Lane {
 extern Lane* lanes;   // the lanes of the block that runs now
 extern Lane* cur;     // the lane that runs now
 extern dim3 g_block_dim, g_grid_dim;
+extern int lock_step;   // 1: a wavefront's lanes run in lock-step (AMD); 0: a warp's only meet at _sync operations (CUDA)
 void problem(const char* text);
 uint64_t park(int op, uint64_t value, int arg, int width, bool masked, uint64_t mask);
 int threads();
@@ -225,7 +229,11 @@ template <class M> inline int __any_sync(M mask, int pred) { return __ballot_syn
 template <class M> inline int __all_sync(M mask, int pred) { return __ballot_sync(mask, pred) == (__activemask() & mask); }
 template <class M> inline void __syncwarp(M mask) { SIMT_HIP_MASK(M); simt::park(simt::SYNCWARP, 0, 0, 0, true, mask); }
 #else
-// CUDA (9 and later): only the _sync functions, with 32-bit masks; a warp has 32 lanes.
+// CUDA (9 and later): only the _sync functions, with 32-bit masks; a warp has 32 lanes, and since Volta its lanes are
+// scheduled independently: two accesses of one warp are ordered only by a _sync operation (or __syncthreads) between.
+#ifndef SIMT_RUNTIME_IMPL   // in the kernel's own program only (the runtime is compiled once for both)
+namespace simt { static const int cuda_lanes_independent = (lock_step = 0); }
+#endif
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src, int width = warpSize) { return simt::shuffle(simt::SHFL_IDX, v, src, width, true, mask); }
 template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned int d, int width = warpSize) { return simt::shuffle(simt::SHFL_UP, v, (int)d, width, true, mask); }
 template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned int d, int width = warpSize) { return simt::shuffle(simt::SHFL_DOWN, v, (int)d, width, true, mask); }
@@ -240,6 +248,7 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) { simt::park(simt::SYNCWARP,
 
 RUNTIME_IMPL = r"""// utils.simt's runtime proper, compiled once (without -fsanitize=thread) and linked with every kernel: the
 // scheduler, the memory bookkeeping that finds races, the report.
+#define SIMT_RUNTIME_IMPL
 #include "simt_cpu.h"
 
 int warpSize = 64;
@@ -249,10 +258,12 @@ static const char* const op_names[] = {"-", "a shuffle (idx)", "__shfl_up", "__s
                                        "__syncwarp", "__syncthreads", "a memory access"};
 // Every byte of the buffers and __shared__ variables keeps its last write and last read: by whom (1 + the thread's
 // index in the grid; 0: none), after how many __syncthreads of its block (epoch), at which step of its wavefront.
-struct Access { int who, epoch, step, atomic; };
-struct Cell { Access w, r; uint64_t value; };               // value: what the last write left (up to 8 bytes)
+// wsync: how many _sync cross-lane operations (shuffles, ballots, __syncwarp) its wavefront had made.
+struct Access { int who, epoch, step, atomic, wsync; };
+// r2: a read by another wavefront or block than the last reader's, kept so a later write is checked against both
+struct Cell { Access w, r, r2; uint64_t value; };          // value: the byte the last write left
 struct Region { char* lo; long long bytes, at; bool shared; };   // shared: at = its offset in each block's copy
-struct Block { long long id; int epoch, steps[32]; Lane* lanes; char *stacks, *shared; Cell* shared_cells; };
+struct Block { long long id; int epoch, steps[32], wsyncs[32]; Lane* lanes; char *stacks, *shared; Cell* shared_cells; };
 struct Race { int region, size, a_kind, b_kind, rel; long long offset; Access a, b; };
 struct CrossLane { int n; unsigned char op[16]; uint64_t mask[16]; };   // the active lanes of each cross-lane op
 const int STACK = 64 * 1024, RESIDENT = 4, MAX_REGIONS = 64, MAX_RACES = 8;
@@ -269,6 +280,7 @@ static uint64_t rng = 1;
 static ucontext_t scheduler;
 static jmp_buf scheduler_at;
 dim3 g_block_dim, g_grid_dim;
+int lock_step = 1;
 static void (*g_entry)(void*) = nullptr;
 static void* g_arg = nullptr;
 static char problems[20][320];
@@ -321,38 +333,49 @@ long long last_writer(const void* p) {
     return c && c->w.who ? c->w.who - 1 : -1;
 }
 // Whether nothing orders access a before b (0: ordered or no conflict; 1: two blocks; 2: two wavefronts of a block
-// between the same barriers; 3: one instruction of one wavefront, its lanes in lock-step).
+// between the same barriers; 3: one instruction of one wavefront; 4: two instructions of one CUDA warp with no _sync
+// operation between them).
 static int relation(const Access& a, const Access& b) {
     if (!a.who || a.who == b.who || (a.atomic && b.atomic)) return 0;
     long long n = threads(), ta = a.who - 1, tb = b.who - 1;
     if (ta / n != tb / n) return 1;
     if (a.epoch != b.epoch) return 0;
     if ((ta % n) / warpSize != (tb % n) / warpSize) return 2;
-    return a.step == b.step ? 3 : 0;   // a later step of the same wavefront comes after: lock-step
+    if (a.step == b.step) return 3;
+    return !lock_step && a.wsync == b.wsync ? 4 : 0;   // AMD: a later step of a wavefront comes after (lock-step)
+}
+static bool same_wave(const Access& a, const Access& b) {
+    long long n = threads();
+    return a.who && b.who && (a.who - 1) / n == (b.who - 1) / n && ((a.who - 1) % n) / warpSize == ((b.who - 1) % n) / warpSize;
 }
 static void race(int region, const char* p, int size, const Access& a, int a_kind, const Access& b, int b_kind, int rel) {
     for (int i = 0; i < n_races; ++i) if (races[i].region == region) return;   // one per buffer or variable
     if (n_races < MAX_RACES) races[n_races++] = {region, size, a_kind, b_kind, rel, p - regions[region].lo, a, b};
 }
-// Lane x of block b makes its access (a read: just before; a write or atomic: just after, its value in memory).
+// Lane x of block b makes its access (a read: just before; a write or atomic: just after, its value in memory),
+// byte by byte: accesses that overlap without starting at one address meet too.
 static void note(Block& b, Lane& x, const char* p, int size, int kind) {
     int region, rel;
-    Cell* c = cell_at(p, &region);
-    if (!c) return;
-    Access me = {1 + (int)(b.id * threads() + (&x - b.lanes)), b.epoch, b.steps[x.wave], kind == ATOMIC};
-    if (kind == READ) {
-        if ((rel = relation(c->w, me))) race(region, p, size, c->w, c->w.atomic ? ATOMIC : WRITE, me, READ, rel);
-        c->r = me;
-        return;
+    Access me = {1 + (int)(b.id * threads() + (&x - b.lanes)), b.epoch, b.steps[x.wave], kind == ATOMIC,
+                 b.wsyncs[x.wave]};
+    for (int i = 0; i < size; ++i) {
+        Cell* c = cell_at(p + i, &region);
+        if (!c) continue;
+        if (kind == READ) {
+            if ((rel = relation(c->w, me))) race(region, p, size, c->w, c->w.atomic ? ATOMIC : WRITE, me, READ, rel);
+            if (c->r.who && !same_wave(c->r, me)) c->r2 = c->r;
+            c->r = me;
+            continue;
+        }
+        uint64_t value = (unsigned char)p[i];
+        rel = relation(c->w, me);
+        if (rel && !(rel == 3 && !c->w.atomic && !me.atomic && c->value == value))   // lanes storing one value agree
+            race(region, p, size, c->w, c->w.atomic ? ATOMIC : WRITE, me, kind, rel);
+        if ((rel = relation(c->r, me))) race(region, p, size, c->r, READ, me, kind, rel);
+        else if ((rel = relation(c->r2, me))) race(region, p, size, c->r2, READ, me, kind, rel);
+        c->w = me;
+        c->value = value;
     }
-    uint64_t value = 0;
-    memcpy(&value, p, size < 8 ? size : 8);
-    rel = relation(c->w, me);
-    if (rel && !(rel == 3 && !c->w.atomic && !me.atomic && c->value == value))   // lanes storing one value agree
-        race(region, p, size, c->w, c->w.atomic ? ATOMIC : WRITE, me, kind, rel);
-    if ((rel = relation(c->r, me))) race(region, p, size, c->r, READ, me, kind, rel);
-    c->w = me;
-    c->value = value;
 }
 // Called by the instrumented kernel code before each load and store: a lane waits there for its wavefront's step.
 static void access(void* p, int size, int kind, void* pc, void* frame) {
@@ -395,6 +418,8 @@ static void resolve(int wave) {
         if (lanes[first + l].state == 1 && lanes[first + l].op == op) active |= 1ull << l, ++count;
     CrossLane& seen = cross[current->id * waves() + wave];
     if (seen.n < 16) seen.op[seen.n] = op, seen.mask[seen.n++] = active;
+    for (int l = 0; l < n; ++l)          // a _sync operation orders its lanes' accesses before and after it
+        if (((active >> l) & 1) && lanes[first + l].masked) { ++current->wsyncs[wave]; break; }
     if (count < live) {
         snprintf(text, sizeof text, "lanes of one wavefront reached different cross-lane operations (%s with only %d of "
                  "its %d lanes): is it inside a lane-dependent branch?", op_names[op], count, live);
@@ -505,6 +530,7 @@ static void start(Block& b, long long id) {
     }
     b.id = id; b.epoch = 0;
     memset(b.steps, 0, sizeof b.steps);
+    memset(b.wsyncs, 0, sizeof b.wsyncs);
     memset(b.shared, 0, shared_bytes);
     memset(b.shared_cells, 0, shared_bytes * sizeof(Cell));
     if (shared_owner == &b) shared_owner = nullptr;   // the new block's __shared__ start at 0
@@ -792,6 +818,10 @@ def _race_text(race: list, regions: list, threads: int, width: int) -> str:
         return (f"a race on {where}: lanes {a % threads % width} and {b % threads % width} of wavefront "
                 f"{a % threads // width} of block {a // threads} stored different values there at one instruction, "
                 "without an atomic: only one store survives (a += from several lanes keeps one lane's addition)")
+    if rel == 4:
+        return (f"a race on {where}: {who(a)} {_ACCESS[a_kind]} it and {who(b)} {_ACCESS[b_kind]} it, lanes of one "
+                "CUDA warp with no __syncwarp (or other _sync operation) between: since Volta a warp's lanes are "
+                "scheduled independently, so nothing orders the two (on AMD a wavefront runs in lock-step)")
     why = ("two blocks of one launch run in any order" if rel == 1 else
            "with no __syncthreads between them, two wavefronts of a block run in any order")
     return (f"a race on {where}: {who(a)} {_ACCESS[a_kind]} it and {who(b)} {_ACCESS[b_kind]} it, without an atomic "

@@ -835,6 +835,11 @@ def test_fp4_refuses_what_it_cannot_hold(lab):
 
     with pytest.raises(ValueError, match="no NaN or infinity"):
         lab.quantize_fp4(torch.tensor([[float("nan")] * 32]), "MXFP4")
+    with pytest.raises(ValueError, match="no NaN or infinity"):
+        lab.quantize_fp4(torch.full((1, 32), 1e300, dtype=torch.float64), "MXFP4")     # inf once float32
+    for shape, fmt in (((1, 20), "MXFP4"), ((2, 48), "MXFP4"), ((40,), "NVFP4"), ((2, 2, 16), "NVFP4")):
+        with pytest.raises(ValueError, match=r"rows of whole (32|16)-value blocks"):
+            lab.quantize_fp4(torch.ones(shape), fmt)
     with pytest.raises(ValueError, match="NVFP4 quantizer"):
         blocks.quantize(torch.ones(1, 64).numpy(), "NVFP4")
     with pytest.raises(ValueError, match="packs MXFP4 or NVFP4"):

@@ -934,12 +934,16 @@ def test_fp8_matmul_tma_tiles_fit_hoppers_shared_memory_for_every_out_dtype(lab)
 
 
 def test_fp8_grader_scales_keep_every_mistake_apart_from_the_right_product():
-    """Per tensor, scale_a, scale_b and their product are all at least 1.4x from 1 for any seed, so each epilogue slip
-    (a scale missing, divided, ...) differs from the right product by more than the hints' 10 % (a scale_b of 1.06
-    once sent "scale_a only" to the generic hint)."""
+    """Per tensor, the factors each epilogue slip computes (no scale, scale_a only, scale_b only, divided) and the
+    right one are pairwise at least 1.4x apart for any seed, so each slip gets its own hint (a scale_b of 1.06 once
+    sent "scale_a only" to the generic hint, and sa * sb^2 near 1 sent "divided" to "scale_b only")."""
     import math
 
     for seed in range(3000):
         sa, sb = graders._fp8_scales(torch.Generator().manual_seed(seed), 4, 4, False)
-        for v in (float(sa), float(sb), float(sa) * float(sb)):
-            assert abs(math.log2(v)) >= 0.48, (seed, float(sa), float(sb))
+        sa, sb = float(sa), float(sb)
+        products = [1.0, sa, sb, 1 / (sa * sb), sa * sb]     # each mistake's factor, and the right one last
+        logs = [math.log2(p) for p in products]
+        assert all(abs(x - y) >= 0.48 for i, x in enumerate(logs) for y in logs[i + 1:]), (seed, sa, sb)
+        ra, rb = graders._fp8_scales(torch.Generator().manual_seed(seed), 5, 3, True)
+        assert abs(math.log2(float(ra[0, 0] * rb[0, 0]))) >= 0.48, seed    # "first scale only" is not "no scales"

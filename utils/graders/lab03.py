@@ -434,12 +434,16 @@ def _check_fp8_answer(label, out, x, fmt, row_wise):
     if not (isinstance(out, tuple) and len(out) == 2):
         check(label, False, f"return (q, scale), a tuple of two tensors, not {type(out).__name__}")
     q, scale = out
+    rows = x.shape[0]
     if not isinstance(q, torch.Tensor) or q.dtype != fmt.dtype or q.shape != x.shape:
+        # a row-wise scale of shape (M,) broadcasts along the columns: with one column, q comes out M x M
+        dropped = row_wise and isinstance(scale, torch.Tensor) and tuple(scale.shape) == (rows,)
         check(label, False, f"q must be a {fmt.name} tensor of x's shape {tuple(x.shape)}, not {_describe(q)}"
-              + ("; cast it: .to(dtype)" if isinstance(q, torch.Tensor) and q.shape == x.shape else ""))
+              + ("; cast it: .to(dtype)" if isinstance(q, torch.Tensor) and q.shape == x.shape else "")
+              + ("; the scale has shape (M,), which lines up with the columns: keep the reduced dimension, "
+                 "amax(dim=1, keepdim=True)" if dropped else ""))
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         check(label, False, f"the scale must be float32 (what torch._scaled_mm takes), not {_describe(scale)}")
-    rows = x.shape[0]
     if row_wise and tuple(scale.shape) != (rows, 1):
         hint = ("keep the reduced dimension: amax(dim=1, keepdim=True) gives shape (M, 1)" if tuple(scale.shape) == (rows,)
                 else "one scale per ROW: reduce along dim=1 (the columns of each row)" if scale.numel() == x.shape[1]
@@ -477,12 +481,14 @@ def _check_fp8_answer(label, out, x, fmt, row_wise):
               "a where() that zeroes it does not)")
     ratio = amax / s
     used = amax > 0
+    # a NaN in the amax makes `amax > 0` false, so the scale falls back to 1: too small or too large a range after
+    has_nan = torch.isnan(xf).any(dim=1, keepdim=True) if row_wise else torch.isnan(xf).any().reshape(1, 1)
+    off = (ratio > fmax * (1 + 1e-5)) | (ratio < fmax / 2 * (1 - 1e-5))
+    if bool((has_nan & (s == 1) & used & off).any()):
+        check(label, False, "a NaN in x made the amax NaN (max propagates NaN), and its scale fell back to 1: take "
+              "the amax over finite values (torch.where(x.isfinite(), x.abs(), 0))")
     if bool((ratio[used] > fmax * (1 + 1e-5)).any()) or over > fmax * (1 + 1e-5):
         inverted = bool(torch.allclose(s[used], (fmax / amax)[used], rtol=1e-3))
-        has_nan = torch.isnan(xf).any(dim=1, keepdim=True) if row_wise else torch.isnan(xf).any().reshape(1, 1)
-        if bool((has_nan & (s == 1) & (ratio > fmax * (1 + 1e-5))).any()):
-            check(label, False, "a NaN in x made the amax NaN (max propagates NaN), and its scale fell back to 1: take "
-                  "the amax over finite values (torch.where(x.isfinite(), x.abs(), 0))")
         check(label, False, "the scale is max / amax: the course's scale is the dequantization factor, amax / max, so "
               "that x ~ q * scale (torch._scaled_mm multiplies by it)" if inverted else
               f"the largest |x| / scale is {ratio.max().item():.4g}, above {fmax:g}: those values were clipped; "
@@ -515,13 +521,23 @@ def _fp8_operands(gen, m, n, k, dtype, b_layout):
 
 def _fp8_scales(gen, m, n, row_wise):
     if row_wise:
-        return (torch.rand(m, 1, generator=gen) * 8 + 0.05), (torch.rand(1, n, generator=gen) * 0.5 + 0.01)
-    # per tensor: scale_b, scale_a and their product all far from 1 (at least 1.4x away), so that every mistake's
-    # product differs from the right one by more than the hints' 10 % and each slip gets its own hint
-    sb = 0.11 + 0.6 * float(torch.rand(1, generator=gen))
-    exponents = [e for e in range(-5, 6) if e != 0 and abs(math.log2(1.37 * 2.0 ** e * sb)) >= 0.5]
-    e = exponents[int(torch.randint(0, len(exponents), (1,), generator=gen))]
-    return torch.tensor(1.37 * 2.0 ** e), torch.tensor(sb)
+        sa, sb = torch.rand(m, 1, generator=gen) * 8 + 0.05, torch.rand(1, n, generator=gen) * 0.5 + 0.01
+        if abs(math.log2(float(sa[0, 0] * sb[0, 0]))) < 0.5:   # "the first scale only" would equal "no scales"
+            sa[0, 0] *= 4
+        return sa, sb
+    # per tensor: what each mistake computes (acc times 1, sa, sb, 1 / (sa sb)) and the right sa sb all at least
+    # 1.4x apart, so that every mistake's product differs from the right one and from every other mistake's by more
+    # than the hints' 10 % and each slip gets its own hint
+    def apart(sa, sb):
+        logs = [0.0, math.log2(sa), math.log2(sb), -math.log2(sa * sb), math.log2(sa * sb)]
+        return all(abs(x - y) >= 0.5 for i, x in enumerate(logs) for y in logs[i + 1:])
+
+    while True:                           # a few draws at most: most scale_b values leave several exponents
+        sb = 0.11 + 0.6 * float(torch.rand(1, generator=gen))
+        exponents = [e for e in range(-5, 6) if apart(1.37 * 2.0 ** e, sb)]
+        if exponents:
+            e = exponents[int(torch.randint(0, len(exponents), (1,), generator=gen))]
+            return torch.tensor(1.37 * 2.0 ** e), torch.tensor(sb)
 
 
 def check_fp8_matmul(fp8_matmul, device="cpu"):

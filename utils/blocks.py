@@ -53,7 +53,7 @@ FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K)}
 MXFP4 = BlockFormat("MXFP4", 32, 17, ("e",), 4, 0, "e8m0", "e2m1")
 NVFP4 = BlockFormat("NVFP4", 64, 36, ("d0", "d1", "d2", "d3"), 4, 0, "ue4m3", "e2m1")
 FP4_FORMATS = {f.name: f for f in (MXFP4, NVFP4)}
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # an E2M1 code's magnitude (codes 0-7; code + 8 is its negative)
+_ALL_FORMATS = {**FORMATS, **FP4_FORMATS}
 
 
 def fmt(name: str | BlockFormat) -> BlockFormat:
@@ -61,9 +61,9 @@ def fmt(name: str | BlockFormat) -> BlockFormat:
     if isinstance(name, BlockFormat):
         return name
     try:
-        return {**FORMATS, **FP4_FORMATS}[str(name).upper()]
+        return _ALL_FORMATS[str(name).upper()]
     except KeyError:
-        raise ValueError(f"unknown block format {name!r}: one of {', '.join([*FORMATS, *FP4_FORMATS])}") from None
+        raise ValueError(f"unknown block format {name!r}: one of {', '.join(_ALL_FORMATS)}") from None
 
 
 def random_blocks(name: str | BlockFormat, n: int, *, seed: int = 0, scale: float = 0.02,
@@ -131,7 +131,7 @@ def quantize(weights: np.ndarray, name: str | BlockFormat) -> np.ndarray:
 
 
 def fp4_bytes(codes: np.ndarray, scale_bytes: np.ndarray, name: str | BlockFormat) -> np.ndarray:
-    """gguf's bytes of MXFP4 or NVFP4 blocks from E2M1 codes (rows, K) (0-15: sign bit 8, magnitude `E2M1[code & 7]`)
+    """gguf's bytes of MXFP4 or NVFP4 blocks from E2M1 codes (rows, K) (0-15: bit 3 the sign, bits 0-2 the magnitude's index)
     and one scale byte per 32 (MXFP4: E8M0, the exponent + 127) or per 16 codes (NVFP4: e4m3fn's byte of a positive
     scale). Each group of 32 (MXFP4) or 16 (NVFP4) codes packs two a byte, its first half in the low nibbles."""
     f = fmt(name)

@@ -413,12 +413,9 @@ class _Recorded(Exception):
     pass
 
 
-def _build_key(target: str, head_dim: int) -> str:
-    return f"{target} D={head_dim}"
-
-
-def _builds() -> list[str]:
-    return [_build_key(t, d) for t in GPU_TARGETS for d in AOT_HEAD_DIMS]
+def _builds() -> dict[str, tuple[str, int]]:
+    """Each build by its key ("sm_90 D=64"): (target, head dim)."""
+    return {f"{t} D={d}": (t, d) for t in GPU_TARGETS for d in AOT_HEAD_DIMS}
 
 
 def _compile_call(kernel, target: str, causal: bool, head_dim: int) -> dict:
@@ -457,7 +454,7 @@ job = json.load(open(sys.argv[2]))
 for key, call in job["calls"].items():
     chain = None
     try:
-        isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], key.split()[0], **call["options"])
+        isa.compile_triton(getattr(carried, job["kernel"]), call["signature"], call["target"], **call["options"])
     except Exception as err:
         chain = isa.error_chain(err)
     print(json.dumps({key: chain}), flush=True)
@@ -477,8 +474,8 @@ class _Build:
         except (OSError, TypeError) as err:       # no source to carry (defined where inspect cannot read it)
             self.cached = {"carried": f"{type(err).__name__}: {err}"}
             return
-        job = {"kernel": kernel.fn.__name__, "calls": {_build_key(t, d): _compile_call(kernel, t, causal, d)
-                                                      for t in GPU_TARGETS for d in AOT_HEAD_DIMS}}
+        job = {"kernel": kernel.fn.__name__, "calls": {key: {"target": t, **_compile_call(kernel, t, causal, d)}
+                                                      for key, (t, d) in _builds().items()}}
         text = json.dumps(job, default=list)           # in order: the signature is positional
         key = hashlib.sha256(f"{triton.__version__}\n{source}\n{text}".encode()).hexdigest()[:24]
         self.memo = build_dir() / "lab04_builds" / f"{key}.json"
@@ -566,7 +563,7 @@ def _check_builds(build, causal: bool) -> None:
     for key, chain in results.items():
         if not chain:
             continue
-        target, head_dim = key.split()[0], key.partition("D=")[2]
+        target, head_dim = _builds()[key]
         if course is None:
             course = _Build(solutions.load("04").flash_attention, causal)
             theirs = course.finish()

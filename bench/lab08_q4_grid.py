@@ -1,7 +1,8 @@
 """Lab 08's public `q4_gemv` on an upstream-style grid (llama.cpp's test-backend-ops MUL_MAT cases with one column of
 B: rows x K, Q4_0 and Q4_1), on a GPU: each case against the float64 product of gguf's dequantized weights with the
-quantized x (the kernel's own contract, to 1e-5 of the largest |y|; llama.cpp's test compares each backend with its
-CPU backend, which quantizes x to Q8 the same way, within an NMSE of 5e-4); x is never written; a NaN or inf where
+quantized x (the kernel's own contract, to 1e-5 of the largest |y|: stricter than llama.cpp's test, which compares
+each backend with its CPU backend, quantizing x to Q8 the same way, within an NMSE of 5e-4, an NMSE this bound keeps
+below 1.5e-6 at these sizes); x is never written; a NaN or inf where
 the contract's result is finite is a failure. The NMSE against the unquantized x (what x's rounding costs) is printed,
 not judged.
 Any failure is printed with its case; the exit status is the number of failed cases (0: none).
@@ -53,7 +54,9 @@ def main(argv):
         q, dx = blocks.quantize_q8_rows(x)
         w64 = torch.from_numpy(blocks.dequantize(data, qtype)).double()
         contract = w64 @ torch.from_numpy(q.astype(np.float64) * dx.astype(np.float64)[:, None]).reshape(-1)
-        exact = w64 @ x.double()
+        scale = contract.abs().max().item() or 1.0
+        contract_finite = bool(torch.isfinite(contract).all())
+        exact = w64 @ x.double() if x_kind == "randn" and n >= 16 else None   # x's rounding, over enough rows
         x_dev, w_dev = x.to(dev), torch.from_numpy(data).to(dev)
         x_before = x_dev.clone()
         for per_step, programs in ((lab.BLOCKS, None), (1, 3), (4, None)):
@@ -64,15 +67,12 @@ def main(argv):
             except Exception as err:                      # a crash is a failure with its case, not a traceback
                 failures.append(f"{what}: raised {type(err).__name__}: {err}")
                 continue
-            scale = contract.abs().max().item() or 1.0
             err = (y - contract).abs().max().item() / scale
-            finite = bool(torch.isfinite(y).all()) or not bool(torch.isfinite(contract).all())
-            nmse = (((y - contract) ** 2).sum() / (contract ** 2).sum().clamp_min(1e-300)).item()
-            if x_kind == "randn" and n >= 16:             # x's rounding, over enough rows to be a fair average
+            finite = bool(torch.isfinite(y).all()) or not contract_finite
+            if exact is not None:
                 worst["x rounding nmse"] = max(worst["x rounding nmse"], (((y - exact) ** 2).sum() / (exact ** 2).sum()).item())
             worst["contract"] = max(worst["contract"], err)
             problems = [p for p, bad in (("not finite", not finite), (f"error {err:.2e} > 1e-5 of the contract", err > 1e-5),
-                                         (f"NMSE {nmse:.2e} > 5e-4", nmse > 5e-4),
                                          ("x was written", not torch.equal(x_dev, x_before))) if bad]
             if problems:
                 failures.append(f"{what}: {'; '.join(problems)}")

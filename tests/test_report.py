@@ -203,6 +203,9 @@ def test_a_lab_run_twice_at_one_commit_keeps_both_runs_figures(build_dir, h100):
     assert [run["metrics"] for run in lab["earlier_runs"]] == [["vllm_ttft"]]
     later = report.merge_reference(joined, one_run("c2", decode=9.0))["labs"]["05_llm_serving"]
     assert list(later["metrics"]) == ["decode"] and "earlier_runs" not in later
+    again = report.merge_reference(first, one_run("c1", decode=2.5, vllm_ttft=2.5))["labs"]["05_llm_serving"]
+    assert {k: m["value"] for k, m in again["metrics"].items()} == {"decode": 2.5, "vllm_ttft": 2.5}
+    assert "earlier_runs" not in again, "a run measured again whole leaves no empty earlier run behind"
 
 
 def test_a_printed_record_line_names_its_run_and_sets_this_run_beside_it(build_dir, h100):

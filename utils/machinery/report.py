@@ -152,15 +152,17 @@ def _same_code(old: dict | None, new: dict) -> bool:
 def _join_runs(old: dict, new: dict) -> dict:
     """One lab run twice at one commit with other parameters (lab 05: ENGINE=vllm, then ENGINE=transformers): the
     union of both runs' figures, the later run's where both measured one; each earlier run is listed under
-    ``earlier_runs`` with its date, machine state and the figures only it holds."""
+    ``earlier_runs`` with its date, machine state and the figures only it holds (a run whose figures the later run
+    all measured again holds none, and is not listed: the lab simply ran again)."""
     only_old = sorted(set(old["metrics"]) - set(new["metrics"]))
     earlier = [*old.get("earlier_runs", []),
-               {"run_id": old.get("run_id"), "date": old.get("date"), "state": old.get("state", {}),
-                **({"parameters": old["parameters"]} if old.get("parameters") else {}), "metrics": only_old}]
+               *([{"run_id": old.get("run_id"), "date": old.get("date"), "state": old.get("state", {}),
+                   **({"parameters": old["parameters"]} if old.get("parameters") else {}), "metrics": only_old}]
+                 if only_old else [])]
     unreliable = {**{k: v for k, v in old.get("unreliable", {}).items() if k not in new["metrics"]},
                   **new.get("unreliable", {})}
     return {**new, "metrics": {**{k: old["metrics"][k] for k in only_old}, **new["metrics"]},
-            **({"unreliable": unreliable} if unreliable else {}), "earlier_runs": earlier}
+            **({"unreliable": unreliable} if unreliable else {}), **({"earlier_runs": earlier} if earlier else {})}
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:

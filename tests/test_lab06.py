@@ -551,6 +551,19 @@ def test_a_failing_variant_keeps_what_was_measured_before_it(tiny, build_dir):
     nothing_left(run)
 
 
+def test_libraries_collectives_per_token_are_all_counted_on_a_cpu(tiny, build_dir):
+    """Two CPU ranks (gloo): DTensor's decode step counts its lm_head all-gather as the GPUs do (2 x layers
+    all-reduces, one all-gather). Its functional collectives are waited on lazily and gloo ends each profiler event
+    on its own thread: the profiler used to stop with the all-gather still running, miss it, and race its end
+    (a rank once died of SIGSEGV in the profiler's __exit__)."""
+    folder, _ = tiny[torch.float32]
+    res, run, failed = tp.launch_split(folder, TOKENS, nproc=2, decode=2, variants=["eager"], dtensor=True,
+                                       timeout=300, name="test-dtensor-cpu")
+    assert failed is None, failed
+    assert res["dtensor"]["counts"] == {"all_reduce": 4, "all_gather": 1}
+    nothing_left(run)
+
+
 def test_a_failing_rank_ends_the_group_and_shows_its_traceback(build_dir):
     with pytest.raises(launch.RankFailed) as err:
         launch.torchrun("utils.multigpu.collectives", ["--sizes", "1024", "--fail-rank", "1", "--backend", "gloo"],

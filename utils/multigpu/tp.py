@@ -526,14 +526,19 @@ def hf_reference_logits(model, tokens: list[int]):
 
 
 def hf_collectives_per_token(model, tokens: list[int]) -> dict:
-    """Collectives one decode step of a transformers model runs (after a prefill), from torch.profiler."""
+    """Collectives one decode step of a transformers model runs (after a prefill), from torch.profiler.
+
+    The step's logits are read before the profiler stops: a DTensor or transformers collective may still be running
+    then (functional collectives are waited on lazily), and gloo ends its "gloo:..." profiler event on its own worker
+    thread, racing the profiler's teardown (a rank once died of SIGSEGV in the profiler's __exit__ on a 2-core CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.tensor([tokens], device=model.device)
     with torch.no_grad():
         past = model(ids, use_cache=True).past_key_values
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(ids[:, -1:], past_key_values=past, use_cache=True)
+            out = model(ids[:, -1:], past_key_values=past, use_cache=True)
+            out.logits.float().sum().item()   # waits for every collective the step started
     counts = {}
     for e in prof.key_averages():
         name = attribution.collective_name(e.key)

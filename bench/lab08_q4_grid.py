@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from utils import blocks, solutions
+from utils.machinery import executed   # the commit a run came from ($COURSE_COMMIT on the GPU machine)
 
 # test-backend-ops' MUL_MAT shapes with n = 1 (m = rows of W, k), its small cases and its Llama-sized ones
 ROWS = (1, 16, 17, 31, 64, 257, 4096, 14336)
@@ -83,7 +84,8 @@ def main(argv):
         print("FAIL:", line)
     if out:
         with open(out, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "cases": cases, "failures": failures, **worst}, f, indent=1)
+            json.dump({"device": name, "commit": executed.commit(), "torch": torch.__version__, "cases": cases,
+                       "failures": failures, **worst}, f, indent=1)
     return len(failures)
 
 

@@ -134,7 +134,7 @@ def _masked(acc, l_i, m_i, q, k_desc, v_desc, offs_m, lo, hi, n_ctx, qk_scale, B
         keep = cols[None, :] < n_ctx
         if CAUSAL:
             keep = keep & (offs_m[:, None] >= cols[None, :])
-        s = s * qk_scale + tl.where(keep, 0.0, -1.0e6)
+        s = tl.where(keep, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)

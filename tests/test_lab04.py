@@ -141,6 +141,49 @@ def test_the_tma_kernel(lab, d, layout, n, causal):
     assert ok, f"{err:.3g} > {allowed:.3g}"
 
 
+def exact_attention(q, k, v, causal, sm_scale=None):
+    """softmax(q kᵀ · sm_scale) v in float64 (no overflow or rounding of its own at any finite score)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("kernel", ["hopper_attention", "triton_attention"])
+def test_a_masked_key_gets_no_weight_whatever_its_score(lab, kernel):
+    """Scores far past any finite mask value: a key past the end (zeros from the TMA unit) must not win over real
+    scores below -1e6, a future key above them must not leak into a causal row, and a NaN in a future key must not
+    reach an earlier row (an additive mask, s + -1e6, fails all three; tl.where(keep, s, -inf) does not)."""
+    attention = getattr(lab, kernel)
+    config = {} if GPU or kernel == "triton_attention" else dict(config=dict(BLOCK_M=32, BLOCK_N=16))
+    if GPU and kernel == "hopper_attention" and lab.why_not_hopper(*graders.make_inputs(1, 1, 65, 64, device=DEVICE)):
+        pytest.skip("the TMA path needs compute capability 9.x")
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(1, 1, 65, 64, generator=g).to(DEVICE, torch.float16)
+    q = torch.full((1, 1, 65, 64), 300.0).to(DEVICE, torch.float16)
+    out = attention(q, -q, v, False, **config)                  # every real score is -5.76e6 x sm_scale
+    assert (out.double() - exact_attention(q, -q, v, False)).abs().max() < 1e-2
+    q, k = ((torch.randn(1, 1, 65, 64, generator=g) * 1000).to(DEVICE, torch.float16) for _ in range(2))
+    out = attention(q, k, v, True, **config)
+    assert (out.double() - exact_attention(q, k, v, True)).abs().max() < 1e-2
+    q, k = (torch.randn(1, 1, 65, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    k[0, 0, 40, 0] = float("nan")
+    out = attention(q, k, v, True, **config)
+    assert not out[0, 0, :40].isnan().any() and out[0, 0, 40:].isnan().all()
+    assert (out[0, 0, :40].double() - exact_attention(q, k, v, True)[0, 0, :40]).abs().max() < 1e-2
+
+
+def test_a_negative_sm_scale_runs_the_portable_kernel(lab):
+    """The TMA kernel takes each row's max before it scales (one fused multiply-add per score): right for
+    sm_scale >= 0 only, so hopper_attention refuses a negative one and triton_attention runs the portable kernel."""
+    q, k, v = graders.make_inputs(1, 1, 65, 128, "contiguous", torch.bfloat16, DEVICE, seed=4)
+    with pytest.raises(ValueError, match="sm_scale >= 0"):
+        lab.hopper_attention(q, k, v, sm_scale=-30.0)
+    out = lab.triton_attention(q, k, v, sm_scale=-30.0)
+    assert (out.double() - exact_attention(q, k, v, False, -30.0)).abs().max() < 2e-2
+
+
 # --- the dispatch: which kernel and tiles triton_attention runs ---------------------------------------------
 
 def on_table_gpu(lab) -> bool:

@@ -72,6 +72,9 @@ def test_the_short_wrapper_takes_contiguous_tensors_only(lab):
     assert torch.equal(lab.add(x, y), x + y)
     with pytest.raises(AssertionError, match="contiguous"):
         lab.add(torch.randn(34)[::2], y)
+    for other in (torch.randn(16), torch.randn(1), torch.randn(17).double(), torch.empty(17, dtype=torch.int32)):
+        with pytest.raises(AssertionError, match="one shape and dtype"):     # no read or write past a tensor
+            lab.add(x, y, other)
 
 
 def test_every_layout(lab, capsys):
@@ -153,6 +156,13 @@ def test_rows_kernel_layouts(lab, capsys):
     x = torch.randn(6, 3 * 40)[:, 40:80]
     assert torch.equal(lab.triton_add_rows(x, x, torch.empty(6, 40)), x + x)
     assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("block", [-1, 0, 3, 100, 2.0, True])
+def test_rows_kernel_refuses_a_block_that_is_not_a_power_of_two(lab, block):
+    x = torch.randn(5, 300)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        lab.triton_add_rows(x, x, torch.full_like(x, 7.0), block=block)
 
 
 # --- the graders --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ once; each dtype once); the full grid is behind `@pytest.mark.gpu` (`make test-g
 import itertools
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -222,6 +223,28 @@ def test_empty_shapes(lab, matmul):
     assert zeros.shape == (4, 3) and not zeros.any()
     with pytest.raises(ValueError, match="a's columns must equal b's rows"):
         fn(torch.randn(3, 4, device=DEVICE), torch.randn(5, 6, device=DEVICE))
+
+
+@pytest.mark.parametrize("launch, message", [
+    ({"GROUP_M": 0}, "GROUP_M=0: .*GROUP_M a whole number of tile rows, at least 1"),
+    ({"GROUP_M": 2.0}, "GROUP_M=2.0: "),
+    ({"BLOCK_M": 24}, "BLOCK_M=24: BLOCK_M, BLOCK_N and BLOCK_K must be powers of two, at least 16"),
+    ({"BLOCK_K": 8}, "BLOCK_K=8: .*powers of two, at least 16"),
+    ({"GROUP_M": None}, r"the tile is missing \['GROUP_M'\]: give all of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M"),
+    ({"BLOCK_Q": 16}, r"unknown launch options \['BLOCK_Q'\]: use kernel, BLOCK_M"),
+], ids=["GROUP_M 0", "GROUP_M float", "BLOCK_M 24", "BLOCK_K 8", "GROUP_M missing", "unknown key"])
+def test_checked_matmul_refuses_a_tile_the_kernel_cannot_run(lab, launch, message):
+    """GROUP_M=0 ran and returned NaN; a BLOCK that is not a power of two of at least 16, or a missing key, failed
+    inside Triton: each is a ValueError naming the rule now, before anything runs."""
+    tile = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1, **launch}
+    tile = {k: v for k, v in tile.items() if v is not None}
+    a, b = torch.randn(65, 127, device=DEVICE), torch.randn(127, 33, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        lab.checked_matmul(a, b, "ieee", **tile)
+    with pytest.raises(ValueError, match="the tile is missing"):
+        lab.checked_matmul(a, b, "ieee", num_warps=4)          # launch options alone: no tile for matmul_kernel
+    c = lab.checked_matmul(a, b, "ieee", BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=3)
+    assert ((c - a @ b).abs().max() / (a @ b).abs().max()).item() < 1e-5
 
 
 FULL_GRID_PRECISIONS = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
@@ -687,6 +710,21 @@ def test_grader_3_6_known_wrong(mistake):
     fails_with(lambda: graders.check_fp8_quantize(load({"3.6": code}).quantize_fp8, DEVICE), *hint)
 
 
+@pytest.mark.parametrize("stubs", [False, True], ids=["solution", "the learner's stub"])
+def test_quantize_fp8_refuses_a_dtype_that_is_not_fp8_and_an_empty_or_1d_x(stubs):
+    """float32 came back as a float32 "q"; an empty x or a vector failed inside amax. The checks come before the
+    exercise, so the learner's lab has them too."""
+    quantize_fp8 = load(stubs=stubs).quantize_fp8
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        with pytest.raises(ValueError, match=f"dtype={dtype}: quantize to an FP8 dtype, torch.float8_e4m3fn"):
+            quantize_fp8(torch.randn(2, 7), dtype=dtype)
+    for x, row_wise in ((torch.randn(0, 7), False), (torch.randn(5, 0), True), (torch.randn(7), True),
+                        (torch.randn(7), False)):
+        with pytest.raises(ValueError, match=re.escape(f"x has shape {tuple(x.shape)}: quantize_fp8 takes a non-empty "
+                                                       "M x K matrix")):
+            quantize_fp8(x, row_wise)
+
+
 EPILOGUE_REFERENCE = """
 if ROW_WISE:
     out = acc * tl.load(sa_ptr + offs_m)[:, None] * tl.load(sb_ptr + offs_n)[None, :]
@@ -851,6 +889,32 @@ def test_fp4_refuses_what_it_cannot_hold(lab):
 
     for f in blocks.FP4_FORMATS.values():
         assert llamacpp.quant_size(f.name) == (f.block, f.nbytes)
+
+
+def test_quantize_fp4_refuses_another_format_name_and_an_empty_x(lab):
+    """Any fmt but "MXFP4" was quantized as NVFP4; an empty x failed in reshape or amax."""
+    for fmt in ("mxfp4", "FP4", "", None, "NVFP4 "):
+        with pytest.raises(ValueError, match=f"fmt={fmt!r}: use 'MXFP4' .* or 'NVFP4'"):
+            lab.quantize_fp4(torch.randn(2, 64), fmt)
+    for shape, fmt in (((0, 64), "MXFP4"), ((0, 64), "NVFP4"), ((2, 0), "NVFP4")):
+        with pytest.raises(ValueError, match=r"rows of whole (32|16)-value blocks, at least one .*got "
+                                             + re.escape(str(shape))):
+            lab.quantize_fp4(torch.ones(shape), fmt)
+
+
+def test_dequantize_fp4_refuses_codes_above_15_and_a_scale_that_does_not_fit(lab):
+    """A code of 16 was read as 0 (its low 4 bits); a scale of the wrong shape failed in reshape, or was spread over
+    blocks of another size."""
+    codes, scale, tensor_scale = lab.quantize_fp4(torch.randn(2, 64), "NVFP4")
+    for bad in (codes + 16, codes.to(torch.int64) - 16):
+        with pytest.raises(ValueError, match="codes must be uint8 E2M1 codes 0-15"):
+            lab.dequantize_fp4(bad, scale, tensor_scale)
+    for s, c in ((scale[:, :3], codes), (scale[:1], codes), (scale[:, :0], codes), (scale, codes[:, :40]),
+                 (torch.ones(2, 4), torch.zeros(2, 65, dtype=torch.uint8))):
+        fits = f"scale {tuple(s.shape)} does not fit codes {tuple(c.shape)}: one scale per 32 (MXFP4) or 16 (NVFP4)"
+        with pytest.raises(ValueError, match=re.escape(fits)):
+            lab.dequantize_fp4(c, s, tensor_scale)
+    assert lab.dequantize_fp4(codes, scale, tensor_scale).shape == (2, 64)
 
 
 FP8_GRID_SIZES = [(1, 32, 16), (17, 48, 32), (33, 17, 64), (64, 64, 17), (129, 80, 112), (127, 4096, 129),

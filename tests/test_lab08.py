@@ -1,6 +1,8 @@
 """Lab 08: the block formats against gguf's, the Q4 GEMV on a covering grid, llama.cpp's files and lines read right,
 and the three exercises graded as a learner's answers are (the reference passes, answers written differently pass,
 known-wrong ones fail with the hint meant for them)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -193,7 +195,7 @@ def test_q4_gemv_refuses_what_it_cannot_read(ref):
                        (lambda: ref.q4_gemv(w[:, ::2], x[:32]), "uint8|contiguous"),
                        (lambda: ref.q4_gemv(w, x.double()), "float vector"),
                        (lambda: ref.q4_gemv(ref.q4_pack(w), x, qtype="Q4_1"), "packed Q4_0, not Q4_1"),
-                       (lambda: ref.q4_gemv(w, ref.quantize_x(x[:32])), "32 elements"),
+                       (lambda: ref.q4_gemv(w, ref.quantize_x(x[:32])), r"int8 \(32,\).*want 64 elements"),
                        (lambda: ref.quantize_x(x[:40]), "whole blocks of 32"),
                        (lambda: ref.q4_gemv(w, x, torch.empty(4)[::2]), "contiguous float32")]:
         with pytest.raises(ValueError, match=match):
@@ -201,6 +203,85 @@ def test_q4_gemv_refuses_what_it_cannot_read(ref):
     assert ref.q4_gemv(w[:0], x).shape == (0,)          # no rows: an empty answer
     one = torch.from_numpy(blocks.random_blocks("Q4_0", 1, seed=4).reshape(1, -1))     # 18 bytes: no aligned view
     assert ref.q4_pack(one).qs.data_ptr() % 16 == 0
+
+
+def test_q4_gemv_refuses_a_hand_made_q4packed_or_quantizedx_it_would_misread(ref):
+    """A Q4Packed or QuantizedX made by hand went to the kernel as it was: short scales read past their end, float
+    or unsigned int8 read as bytes, fewer rows of nibbles than of scales. Each is a ValueError naming the part."""
+    w = torch.from_numpy(blocks.random_blocks("Q4_0", 4 * 2, seed=1).reshape(4, -1))
+    w1 = torch.from_numpy(blocks.random_blocks("Q4_1", 4 * 2, seed=1).reshape(4, -1))
+    p, p1, x = ref.q4_pack(w), ref.q4_pack(w1, "Q4_1"), torch.randn(64)
+    xq = ref.quantize_x(x)
+    shifted = lambda t: torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)   # off 4-byte alignment
+    transposed = lambda t: t.T.contiguous().T                                                  # strides swapped
+    for bad, match in [(p._replace(qs=p.qs[:2]), r"qs is uint8 \(2, 32\) on cpu: for 4 rows of 2 blocks .* \(4, 32\)"),
+                       (p._replace(qs=p.qs.float()), "qs is float32"),
+                       (p._replace(d=p.d.float()), "d is float32"),
+                       (p._replace(d=transposed(p.d)), r"d is float16 \(4, 2\) on cpu, not contiguous"),
+                       (p._replace(d=p.d[:, 0]), r"a Q4Packed of 'Q4_0' with d float16 \(4,\)"),
+                       (p._replace(m=p.d), r"with d .* and m float16 .*Q4_0 \(m None\)"),
+                       (p1._replace(m=None), "a Q4Packed of 'Q4_1' with d .* and m NoneType"),
+                       (p1._replace(m=p1.m[:, :1].contiguous()), r"m is float16 \(4, 1\)"),
+                       (p._replace(qtype="Q8_0"), "a Q4Packed of 'Q8_0'"),
+                       (p._replace(qs=shifted(p.qs)), "qs must start 4-byte aligned")]:
+        for good_x in (x, xq):
+            with pytest.raises(ValueError, match=match):
+                ref.q4_gemv(bad, good_x)
+    for bad, match in [(xq._replace(ds=xq.ds[:, 0].contiguous()), r"x.ds is float32 \(2,\) on cpu: .* \(2, 2\)"),
+                       (xq._replace(q=xq.q.float()), "x.q is float32"),
+                       (xq._replace(q=xq.q.view(torch.uint8)), "x.q is uint8"),
+                       (xq._replace(ds=xq.ds.half()), "x.ds is float16"),
+                       (xq._replace(ds=transposed(xq.ds)), r"x.ds is float32 \(2, 2\) on cpu, not contiguous"),
+                       (xq._replace(q=shifted(xq.q)), r"int8 \(64,\) on cpu, 4-byte aligned"),
+                       (xq._replace(q=xq.q.to("meta")), r"x.q is int8 \(64,\) on meta: .* on cpu")]:
+        with pytest.raises(ValueError, match=match):
+            ref.q4_gemv(p, bad)
+    assert torch.equal(ref.q4_gemv(p, xq), ref.q4_gemv(w, x))
+    assert torch.equal(ref.q4_gemv(p1, xq), ref.q4_gemv(w1, x, qtype="Q4_1"))
+
+
+def test_q4_gemv_refuses_cpu_tensors_when_the_kernels_are_compiled(ref, monkeypatch):
+    """On a GPU machine without TRITON_INTERPRET the kernels are compiled, and CPU tensors went to them (Triton's
+    "Pointer argument cannot be accessed"). Here the GEMV kernel as Triton compiles it: refused before any launch."""
+    import triton
+
+    w, x = torch.from_numpy(blocks.random_blocks("Q4_0", 2, seed=1).reshape(1, -1)), torch.randn(64)
+    xq = ref.quantize_x(x)                                    # by the interpreter, before the kernel is compiled
+    monkeypatch.setattr(ref, "q4_gemv_kernel", triton.runtime.JITFunction(ref.q4_gemv_kernel.fn))
+    for call in (lambda: ref.q4_gemv(w, x), lambda: ref.quantize_x(x), lambda: ref.q4_gemv(ref.q4_pack(w), xq),
+                 lambda: ref.q4_gemv(w, xq, programs=1), lambda: ref.dot4_kind(x.device)):
+        with pytest.raises(ValueError, match="cpu tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
+                                             "importing triton"):
+            call()
+
+
+@pytest.mark.parametrize("per_step", [3, 0, -2, 6, 2.0, True])
+def test_q4_gemv_refuses_a_blocks_per_step_that_is_not_a_power_of_two(ref, per_step):
+    """blocks_per_step is the length of the kernel's tl.arange: 3 or 0 failed inside Triton."""
+    w = torch.from_numpy(blocks.random_blocks("Q4_0", 4, seed=1).reshape(2, -1))
+    with pytest.raises(ValueError, match=rf"blocks_per_step={per_step!r}: use a power of two \(1, 2, 4, ...\)"):
+        ref.q4_gemv(w, torch.randn(64), blocks_per_step=per_step)
+
+
+@pytest.mark.parametrize("stubs", [False, True], ids=["solution", "the learner's stub"])
+def test_dequantize_q4_refuses_another_width_or_values_that_are_not_bytes(stubs):
+    """dequantize_q4_0 read Q4_1's 20-byte blocks (or 17 bytes) as Q4_0's, and cast 300.0 or -1 to a byte. The
+    check comes before exercise 8.1, so the learner's dequantize_q4_1 has it too."""
+    m = solutions.load(LAB, stubs=stubs)
+    for f, name, other in ((m.dequantize_q4_0, "Q4_0", "Q4_1"), (m.dequantize_q4_1, "Q4_1", "Q4_0")):
+        nbytes = blocks.fmt(name).nbytes
+        good = blocks.random_blocks(name, 4, seed=2)
+        for data in (blocks.random_blocks(other, 4), good[:, :17], good[0], good.reshape(2, 2, -1)):
+            with pytest.raises(ValueError, match=re.escape(f"{name} blocks are {nbytes} bytes each, one a row: give "
+                                                           f"shape (n, {nbytes}), not {np.shape(data)}")):
+                f(data)
+        for data in (np.full(good.shape, 300.0), np.full(good.shape, -1), good + 0.5, np.full(good.shape, np.nan)):
+            with pytest.raises(ValueError, match=rf"{name} blocks are bytes: give uint8 \(or whole numbers 0-255\)"):
+                f(data)
+        if not stubs:      # the same bytes in another integer type, or as a list, are read as they are
+            want = f(good)
+            assert want.shape == (4, 32)
+            assert all(np.array_equal(f(d), want) for d in (good.astype(np.int64), good.tolist()))
 
 
 # ---- 8.3 the numbers that compare two backends ------------------------------------------------------------------

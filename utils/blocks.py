@@ -150,6 +150,20 @@ def fp4_bytes(codes: np.ndarray, scale_bytes: np.ndarray, name: str | BlockForma
     return np.concatenate([scales.reshape(rows, blocks, 4), nibbles.reshape(rows, blocks, 32)], axis=2).reshape(rows, -1)
 
 
+def block_bytes(data, name: str | BlockFormat) -> np.ndarray:
+    """`data` as uint8 blocks of format `name`, shape (n, nbytes): uint8 bytes, or integers 0-255 of another dtype
+    (a list, int64); a ValueError for another shape (another format's blocks) or values that are not bytes."""
+    f = fmt(name)
+    a = np.asarray(data)
+    if a.ndim != 2 or a.shape[1] != f.nbytes:
+        raise ValueError(f"{f.name} blocks are {f.nbytes} bytes each, one a row: give shape (n, {f.nbytes}), not "
+                         f"{a.shape}")
+    if a.dtype.kind not in "uif" or not ((a >= 0) & (a <= 255) & (a == np.floor(a))).all():
+        raise ValueError(f"{f.name} blocks are bytes: give uint8 (or whole numbers 0-255), not {a.dtype} values "
+                         "outside them")
+    return a.astype(np.uint8, copy=False)
+
+
 def quantize_q8_rows(x) -> tuple[np.ndarray, np.ndarray]:
     """x (K,) to int8 in blocks of 32, as lab 08's `quantize_x_kernel` does it and llama.cpp's `quantize_q8_1` does
     for its activations (ggml-cuda/quantize.cu): per block d = max|x| / 127 and q = x / d rounded half away from zero
@@ -211,3 +225,46 @@ def float_vector(x, k: int | None = None) -> int:
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     return x.shape[0]
+
+
+def _is(t, dtype: str, shape: tuple, device) -> bool:
+    """Whether t is a contiguous torch tensor of this dtype ("torch.uint8"), shape and device."""
+    return (hasattr(t, "is_contiguous") and str(t.dtype) == dtype and t.shape == shape and t.device == device
+            and t.is_contiguous())
+
+
+def _what(t) -> str:
+    if not hasattr(t, "is_contiguous"):
+        return type(t).__name__
+    layout = "" if t.is_contiguous() else ", not contiguous"
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on {t.device}{layout}"
+
+
+def packed_shape(w: Q4Packed) -> tuple[int, int]:
+    """(N, blocks) of a Q4Packed that lab 08's kernel reads right: float16 scales d (N, blocks), uint8 nibbles qs
+    (N, blocks x 16) starting 4-byte aligned (read as int32 words), float16 minimums m (N, blocks) for Q4_1 and None
+    for Q4_0, all contiguous on one device, as q4_pack makes them; a ValueError naming what is wrong otherwise."""
+    if w.qtype not in ("Q4_0", "Q4_1") or (w.m is None) != (w.qtype == "Q4_0") or getattr(w.d, "dim", lambda: 0)() != 2:
+        raise ValueError(f"a Q4Packed of {w.qtype!r} with d {_what(w.d)} and m {_what(w.m)}: q4_gemv reads Q4_0 (m "
+                         "None) or Q4_1 (m float16 (N, blocks)), d float16 (N, blocks): pack the blocks with q4_pack")
+    (n, nblk), dev = w.d.shape, w.d.device
+    parts = [("d", w.d, "torch.float16", (n, nblk)), ("qs", w.qs, "torch.uint8", (n, nblk * 16))]
+    for name, t, dtype, shape in parts + ([] if w.m is None else [("m", w.m, "torch.float16", (n, nblk))]):
+        if not _is(t, dtype, shape, dev):
+            raise ValueError(f"the packed weights' {name} is {_what(t)}: for {n} rows of {nblk} blocks (d's shape) it "
+                             f"must be contiguous {dtype.removeprefix('torch.')} {shape} on {dev}; pack gguf's blocks "
+                             "with q4_pack")
+    if w.qs.data_ptr() % 4:
+        raise ValueError("the packed weights' qs must start 4-byte aligned (the kernel reads int32 words): q4_pack's "
+                         "copy does")
+    return n, nblk
+
+
+def check_quantized_x(x: QuantizedX, nblk: int, device) -> None:
+    """A ValueError unless x is what lab 08's kernel reads for weights of `nblk` blocks a row on `device`: q int8
+    (nblk x 32,) starting 4-byte aligned, ds float32 (nblk, 2), both contiguous, as quantize_x makes them."""
+    for name, t, dtype, shape in (("q", x.q, "torch.int8", (nblk * 32,)), ("ds", x.ds, "torch.float32", (nblk, 2))):
+        if not _is(t, dtype, shape, device) or name == "q" and t.data_ptr() % 4:
+            raise ValueError(f"x.{name} is {_what(t)}: the weights want {nblk * 32} elements of x, {name} contiguous "
+                             f"{dtype.removeprefix('torch.')} {shape} on {device}"
+                             f"{', 4-byte aligned' if name == 'q' else ''}; quantize x with quantize_x")
